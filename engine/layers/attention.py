@@ -1,0 +1,185 @@
+"""Attention over a paged KV cache: one metadata object, interchangeable backends.
+
+KV cache layout (one tensor per layer, shared by every backend and by kvtransfer):
+    kv_cache[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    index 0 = K, 1 = V; token t of a sequence lives in block block_table[t // block_size],
+    row t % block_size; its flat slot is block_id * block_size + t % block_size.
+With kv_cache_dtype=fp8_e4m3 the tensor is float8_e4m3fn and `k_scale`/`v_scale` (per layer,
+per tensor) convert: stored = value / scale, value = stored * scale.
+
+A batch is flat: tokens of many sequences concatenated, prefill chunks and decodes mixed.
+Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; its context (cached
+prefix + this step's tokens) is seq_lens[i] tokens long, so the query rows sit at positions
+seq_lens[i] - q_len .. seq_lens[i] - 1 and attend causally.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] flat cache slot for each new token (-1 = padding, not written)
+    slot_mapping: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    block_tables: torch.Tensor
+    # [num_seqs] int32: context length including this step's tokens
+    seq_lens: torch.Tensor
+    # [num_seqs + 1] int32: prefix sum of query lengths
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # host copies (python lists) for backends that loop on the host (torch reference)
+    seq_lens_cpu: list[int] | None = None
+    query_start_loc_cpu: list[int] | None = None
+    # True when every sequence has exactly one query token (pure decode step)
+    is_decode_only: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class KVScales:
+    """Per-layer fp8 scales: calibrated from the first write (amax / FP8_MAX), then frozen.
+
+    NOTE: a scale must never change once data is stored under it; exported blocks carry
+    the scales so the importing side uses the same ones.
+    """
+
+    def __init__(self, num_layers: int, device: torch.device):
+        self.k = torch.ones(num_layers, dtype=torch.float32, device=device)
+        self.v = torch.ones(num_layers, dtype=torch.float32, device=device)
+        self.calibrated = [False] * num_layers
+
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.calibrated[layer] or k.numel() == 0:
+            return
+        # headroom x2: later tokens may exceed the first batch's range
+        self.k[layer] = (k.abs().amax().float() * 2.0 / FP8_MAX).clamp(min=1e-6)
+        self.v[layer] = (v.abs().amax().float() * 2.0 / FP8_MAX).clamp(min=1e-6)
+        self.calibrated[layer] = True
+
+
+class AttentionBackend:
+    """Interface every backend implements. `forward` writes this step's K/V into the cache,
+    then attends; it returns [num_tokens, num_heads, head_dim] in q's dtype."""
+
+    name = "base"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """Reference KV write. k, v: [num_tokens, num_kv_heads, head_dim]."""
+    nb, bs, hkv, d = kv_cache.shape[1:]
+    flat = kv_cache.view(2, nb * bs, hkv, d)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    slots = slot_mapping.long()
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        k = (k.float() / k_scale).clamp(-FP8_MAX, FP8_MAX)
+        v = (v.float() / v_scale).clamp(-FP8_MAX, FP8_MAX)
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def gather_kv_torch(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                    dtype: torch.dtype, k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference gather of one sequence's context: two [seq_len, num_kv_heads, head_dim]."""
+    bs = kv_cache.shape[2]
+    nblk = (seq_len + bs - 1) // bs
+    blocks = block_table[:nblk].long()
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return (k.float() * k_scale).to(dtype), (v.float() * v_scale).to(dtype)
+    return k.to(dtype), v.to(dtype)
+
+
+def paged_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    """Reference attention over the paged cache (after this step's K/V were written)."""
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], kv_cache.shape[3]
+    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    sl = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    for i in range(len(sl)):
+        qs, qe, L = qsl[i], qsl[i + 1], sl[i]
+        ql = qe - qs
+        if ql == 0:
+            continue
+        k, v = gather_kv_torch(kv_cache, meta.block_tables[i], L, torch.float32, k_scale, v_scale)
+        qi = q[qs:qe].float().transpose(0, 1)  # [hq, ql, d]
+        k = k.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # [hq, L, d]
+        v = v.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+        if ql == 1:
+            o = F.scaled_dot_product_attention(qi, k, v, scale=scale)
+        else:
+            # query row j sits at position L - ql + j; it sees keys 0 .. L - ql + j
+            pos_q = torch.arange(L - ql, L, device=q.device)[:, None]
+            pos_k = torch.arange(L, device=q.device)[None, :]
+            mask = pos_k <= pos_q
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        out[qs:qe] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend: works on CPU and GPU, loops over sequences on the host."""
+
+    name = "torch"
+
+    def forward(self, layer, q, k, v, kv_cache, meta, kv_scales=None):
+        ks = vs = None
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            assert kv_scales is not None, "fp8 KV cache needs scales"
+            kv_scales.calibrate(layer, k, v)
+            ks, vs = kv_scales.k[layer], kv_scales.v[layer]
+        write_kv_torch(k, v, kv_cache, meta.slot_mapping, ks, vs)
+        return paged_attention_torch(q, kv_cache, meta, self.scale, ks, vs)
+
+
+def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> AttentionBackend:
+    """Pick a backend by config name. 'auto': flash_attn if it imports (cuda), triton on
+    cuda, torch on cpu. Backends register lazily so CPU installs need neither."""
+    if name == "auto":
+        name = "torch" if device == "cpu" else "triton"
+        if device != "cpu":
+            try:
+                import flash_attn  # noqa: F401
+
+                name = "flash_attn"
+            except ImportError:
+                pass
+    if name == "torch":
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if name == "triton":
+        from engine.layers.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if name == "flash_attn":
+        from engine.layers.attention_flash import FlashAttentionBackend
+
+        return FlashAttentionBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r}")
