@@ -1,0 +1,204 @@
+"""AsyncEngine: runs an Engine on its own thread; asyncio code talks to it through a command
+queue and per-request output queues. The event loop never runs the model.
+
+NOTE: every Engine method is called on the engine thread only (commands run between steps),
+so Engine itself needs no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator, Callable, TypeVar
+
+from engine.config import EngineConfig
+from engine.engine import Engine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("splitserve.engine.async")
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crash or shutdown)."""
+
+
+class AsyncEngine:
+    def __init__(self, cfg: EngineConfig | None = None, engine: Engine | None = None):
+        self.cfg = cfg
+        self.engine = engine
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats: dict = {}
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Build the engine on its thread (model load can take a while) and start the loop."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future = loop.create_future()
+
+        def boot():
+            try:
+                if self.engine is None:
+                    self.engine = Engine(self.cfg)
+                self._stats = self.engine.stats()
+                loop.call_soon_threadsafe(_set_result, ready, None)
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                loop.call_soon_threadsafe(_set_exception, ready, e)
+                return
+            self._run()
+
+        self._thread = threading.Thread(target=boot, name="engine", daemon=True)
+        self._thread.start()
+        await ready
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._cmds.put(None)
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def info(self) -> dict:
+        return self.engine.info()
+
+    def stats(self) -> dict:
+        """Last stats snapshot (refreshed by the engine thread after every step)."""
+        return dict(self._stats)
+
+    # ---- requests -------------------------------------------------------------------
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._cmds.put((fn, loop, fut))
+        return await fut
+
+    async def generate(self, request_id: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, prefill_only: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request; leaving the iterator early aborts it."""
+        rid = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (loop, q)
+        try:
+            await self.call(lambda e: e.add_request(rid, prompt_token_ids, params, prefill_only))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        async for out in self._drain(rid, q):
+            yield out
+
+    async def stream(self, request_id: str, start: Callable[[Engine], RequestOutput | None]
+                     ) -> AsyncIterator[RequestOutput]:
+        """Register a stream, then run `start` on the engine thread (e.g. add_prefilled);
+        a finished output returned by `start` ends the stream at once."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        try:
+            first = await self.call(start)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        if first is not None:
+            self._streams.pop(request_id, None)
+            yield first
+            return
+        async for out in self._drain(request_id, q):
+            yield out
+
+    async def _drain(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(str(item)) from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and not self._stopping and self._dead is None:
+                # consumer left early (cancel / disconnect): free the request's blocks
+                self._cmds.put((lambda e: e.abort(rid), None, None))
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda e: e.abort(request_id))
+
+    # ---- engine thread --------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine thread died: {self._dead!r}")
+        if self._stopping:
+            raise EngineDeadError("engine is shutting down")
+
+    def _run_cmd(self, cmd) -> bool:
+        if cmd is None:
+            return False
+        fn, loop, fut = cmd
+        try:
+            res = fn(self.engine)
+            if fut is not None:
+                loop.call_soon_threadsafe(_set_result, fut, res)
+        except BaseException as e:  # noqa: BLE001 - delivered to the awaiting coroutine
+            if fut is not None:
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                log.warning("engine command failed: %r", e)
+        return True
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stopping:
+                # block for work only when idle
+                block = not eng.has_unfinished()
+                try:
+                    cmd = self._cmds.get(block=block, timeout=0.5 if block else None)
+                    if not self._run_cmd(cmd):
+                        break
+                    while True:
+                        if not self._run_cmd(self._cmds.get_nowait()):
+                            return
+                except queue.Empty:
+                    pass
+                if eng.has_unfinished():
+                    for out in eng.step():
+                        self._deliver(out)
+                    self._stats = eng.stats()
+                else:
+                    self._stats = eng.stats()
+        except BaseException as e:  # noqa: BLE001 - every waiting stream gets the error
+            log.exception("engine thread crashed")
+            self._dead = e
+            for rid, (loop, q) in list(self._streams.items()):
+                loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        s = self._streams.get(out.request_id)
+        if s is not None:
+            loop, q = s
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+
+def _set_result(fut: asyncio.Future, res) -> None:
+    if not fut.done():
+        fut.set_result(res)
+
+
+def _set_exception(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

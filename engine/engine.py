@@ -1,0 +1,270 @@
+"""Engine: the synchronous core both services run (on their engine thread).
+
+add_request -> scheduler queues -> step() runs one batch through the ModelRunner -> outputs.
+Disaggregation hooks: the decode side `reserve`s blocks, `import_kv`s what prefill sent, then
+`add_prefilled` joins the request to the running batch; the prefill side runs `prefill_only`
+requests, `export_kv`s their blocks, and `release`s them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES, KVBlocks
+from engine.kv_cache import KVCacheManager
+from engine.layers.attention import get_attention_backend
+from engine.loader import load_model
+from engine.models.llama import CausalLM
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner, StepInput, resolve_dtype
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger("splitserve.engine")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list = field(default_factory=list)  # per new token: (logprob, [(id, logprob)]) or None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        device = cfg.device.resolved_device()
+        dtype = resolve_dtype(cfg.model.dtype, device)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        torch.manual_seed(cfg.model.seed)
+        loaded = load_model(cfg.model, device, dtype)
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.model_name = cfg.model.served_model_name or loaded.name
+        a = self.arch
+        self.attn_backend = get_attention_backend(cfg.device.attention_backend, device,
+                                                  a.num_heads, a.num_kv_heads, a.head_dim)
+        with torch.device(device):
+            model = CausalLM(a, self.attn_backend)
+        model.load_weights(loaded.weights)
+        model.to(device=device, dtype=dtype).eval()
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = cfg.model.max_model_len or a.max_position_embeddings
+        self.runner = ModelRunner(cfg, model, a, device, dtype)
+        nb = self.runner.plan_num_blocks(self.max_model_len)
+        self.runner.allocate_kv(nb)
+        self.kv = KVCacheManager(nb, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len)
+        eos = set(a.eos_token_ids)
+        if self.tokenizer is not None:
+            eos.update(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_generated = 0
+        log.info("engine ready: model=%s device=%s dtype=%s attention=%s blocks=%d load=%.1fs",
+                 self.model_name, device, str(dtype).removeprefix("torch."), self.attn_backend.name,
+                 nb, time.perf_counter() - t0)
+
+    # ---- requests -------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, which leaves no room in max_model_len={self.max_model_len}")
+        v = self.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= v]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {v})")
+        if -(-(n + 1) // self.cfg.cache.block_size) > self.kv.num_blocks:
+            raise InvalidRequestError(f"prompt of {n} tokens needs more KV blocks than the cache "
+                                      f"holds ({self.kv.num_blocks})")
+
+    def _make_request(self, request_id, prompt_token_ids, params) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        return req
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> None:
+        if prefill_only:
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+        req = self._make_request(request_id, prompt_token_ids, params)
+        req.prefill_only = prefill_only
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.kv.free(request_id)
+        self.requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return any(not r.finished for r in self.requests.values())
+
+    # ---- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        for req in getattr(sched, "failed", []) or []:
+            outputs.append(self._finish_error(req, getattr(req, "error", None)
+                                              or "request cannot fit in the KV cache"))
+        if not sched.scheduled:
+            return outputs
+        rows, sample_reqs = [], []
+        for s in sched.scheduled:
+            r = s.req
+            toks = r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_tokens]
+            rows.append(StepInput(r.request_id, toks, r.num_computed_tokens,
+                                  self.kv.block_ids(r.request_id), s.sample))
+            if s.sample:
+                sample_reqs.append(r)
+        batch = self.runner.sampling_batch(sample_reqs) if sample_reqs else None
+        out, _ = self.runner.execute(rows, batch)
+        sampled: dict[str, int] = {}
+        if out is not None:
+            for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
+                sampled[r.request_id] = tok
+                if r.params.logprobs is not None:
+                    r.output_logprobs.append(lp)
+                if r.first_token_time is None:
+                    r.first_token_time = time.monotonic()
+        finished = {r.request_id for r in self.scheduler.update(sched, sampled)}
+        self.num_steps += 1
+        self.num_generated += len(sampled)
+        for r in sample_reqs:
+            rid = r.request_id
+            done = rid in finished or r.finished
+            outputs.append(RequestOutput(
+                rid, [sampled[rid]], finished=done,
+                finish_reason=r.status.value if done else None,
+                logprobs=[r.output_logprobs[-1]] if r.params.logprobs is not None else [],
+                num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens))
+            if done and not r.prefill_only:
+                self.requests.pop(rid, None)
+        return outputs
+
+    def _finish_error(self, req: Request, msg: str) -> RequestOutput:
+        self.scheduler.abort(req.request_id)
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, [], True, "error", error=msg,
+                             num_prompt_tokens=req.num_prompt_tokens)
+
+    # ---- disaggregation -------------------------------------------------------------
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+        """Decode side: pre-allocate the blocks an incoming prompt's KV will land in."""
+        if num_prompt_tokens < 1 or num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(f"cannot reserve for a prompt of {num_prompt_tokens} tokens "
+                                      f"(max_model_len={self.max_model_len})")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        return self.kv.reserve(request_id, num_prompt_tokens)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                      params: SamplingParams) -> RequestOutput | None:
+        """Decode side: join a request whose prompt KV sits in its reserved blocks.
+        Returns a finished output at once if the first token already ends it."""
+        req = self._make_request(request_id, prompt_token_ids, params)
+        if not self.kv.block_ids(request_id):
+            raise InvalidRequestError(f"request {request_id!r} has no reserved KV blocks")
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(int(first_token_id))
+        req.first_token_time = time.monotonic()
+        reason = self._first_token_finish(req)
+        if reason is not None:
+            self.kv.free(request_id)
+            return RequestOutput(request_id, [], True, reason, num_prompt_tokens=req.num_prompt_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add_running(req)
+        return None
+
+    def _first_token_finish(self, req: Request) -> str | None:
+        p = req.params
+        tok = req.output_token_ids[-1]
+        if p.min_tokens <= 1 and ((not p.ignore_eos and tok in req.eos_token_ids)
+                                  or tok in p.stop_token_ids):
+            return "stop"
+        if p.max_tokens <= 1 or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def export_kv(self, request_id: str) -> KVBlocks:
+        req = self.requests.get(request_id)
+        ids = self.kv.block_ids(request_id)
+        if not ids:
+            raise KeyError(f"no KV blocks held for request {request_id!r}")
+        n_tokens = req.num_prompt_tokens if req is not None else len(ids) * self.cfg.cache.block_size
+        n_blocks = -(-n_tokens // self.cfg.cache.block_size)
+        idx = torch.tensor(ids[:n_blocks], dtype=torch.long, device=self.device)
+        layers = [kv.index_select(1, idx).cpu().contiguous() for kv in self.runner.kv_caches]
+        sc = self.runner.kv_scales
+        return KVBlocks(self.cfg.cache.block_size, n_tokens, DTYPE_NAMES[self.runner.kv_dtype], layers,
+                        sc.k.tolist() if sc else None, sc.v.tolist() if sc else None)
+
+    def import_kv(self, request_id: str, blocks: KVBlocks, first_layer: int = 0) -> None:
+        """Write received blocks (all layers, or layers from `first_layer` on) into the
+        request's reserved blocks."""
+        ids = self.kv.block_ids(request_id)
+        if blocks.block_size != self.cfg.cache.block_size:
+            raise ValueError(f"block size {blocks.block_size} != ours {self.cfg.cache.block_size}")
+        if NAME_DTYPES[blocks.dtype] != self.runner.kv_dtype:
+            raise ValueError(f"kv dtype {blocks.dtype} != ours {DTYPE_NAMES[self.runner.kv_dtype]}")
+        if blocks.num_blocks > len(ids):
+            raise ValueError(f"{blocks.num_blocks} blocks sent, {len(ids)} reserved")
+        idx = torch.tensor(ids[:blocks.num_blocks], dtype=torch.long, device=self.device)
+        for i, t in enumerate(blocks.layers):
+            self.runner.kv_caches[first_layer + i].index_copy_(1, idx, t.to(self.device))
+        sc = self.runner.kv_scales
+        if sc is not None and blocks.k_scales is not None:
+            sc.k.copy_(torch.tensor(blocks.k_scales))
+            sc.v.copy_(torch.tensor(blocks.v_scales))
+            sc.calibrated = [True] * len(sc.calibrated)
+
+    def release(self, request_id: str) -> None:
+        self.kv.free(request_id)
+        req = self.requests.get(request_id)
+        if req is not None and (req.finished or req.prefill_only):
+            self.requests.pop(request_id, None)
+
+    # ---- introspection --------------------------------------------------------------
+    def info(self) -> dict:
+        a = self.arch
+        return {
+            "model": self.model_name, "arch": a.arch, "vocab_size": a.vocab_size,
+            "max_model_len": self.max_model_len, "num_layers": a.num_layers,
+            "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
+            "block_size": self.cfg.cache.block_size, "num_blocks": self.kv.num_blocks,
+            "kv_dtype": DTYPE_NAMES[self.runner.kv_dtype], "dtype": DTYPE_NAMES[self.dtype],
+            "device": self.device, "attention_backend": self.attn_backend.name,
+        }
+
+    def stats(self) -> dict:
+        st = self.runner.step_times
+        kvs = self.kv.stats()
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.kv.usage, "num_free_blocks": self.kv.num_free_blocks,
+            "num_blocks": self.kv.num_blocks,
+            "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
+            "recent_step_ms": [round(t * 1e3, 3) for t in st[-16:]],
+            "num_steps": self.num_steps, "num_generated_tokens": self.num_generated,
+            **{f"prefix_{k}": v for k, v in kvs.items()},
+        }

@@ -1,0 +1,161 @@
+"""ModelRunner: owns weights, the paged KV cache tensors and the attention backend; runs one
+scheduled batch (prefill chunks and decodes mixed) and returns the sampled tokens.
+
+It knows nothing about request lifecycles: the scheduler decides what runs, the runner turns
+that into flat tensors (input ids, positions, slot mapping, block tables) and calls the model.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata, KVScales, get_attention_backend
+from engine.layers.sampler import Sampler, SamplingBatch
+
+log = logging.getLogger("splitserve.engine.runner")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+def resolve_kv_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return compute
+    if name == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    return _DTYPES[name]
+
+
+@dataclass
+class StepInput:
+    """One row per scheduled sequence: the tokens to feed this step."""
+    request_id: str
+    token_ids: list[int]  # tokens at positions start .. start + len - 1
+    start: int  # num_computed_tokens before this step
+    block_ids: list[int]
+    sample: bool
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model, arch, device: str, dtype: torch.dtype):
+        self.cfg = cfg
+        self.model = model
+        self.arch = arch
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = cfg.cache.block_size
+        self.kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: KVScales | None = None
+        self.num_blocks = 0
+        self.step_times: list[float] = []
+
+    # ---- KV cache -------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
+
+    def plan_num_blocks(self, max_model_len: int) -> int:
+        c = self.cfg.cache
+        if c.num_blocks is not None:
+            return c.num_blocks
+        per_block = self.bytes_per_block()
+        if c.kv_cache_bytes is not None:
+            budget = c.kv_cache_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * c.gpu_memory_utilization) - used
+        else:
+            # CPU: enough for every sequence at full length, capped at 1 GiB
+            need = self.cfg.scheduler.max_num_seqs * max_model_len // self.block_size + 1
+            budget = min(CPU_DEFAULT_KV_BYTES, need * per_block)
+        n = budget // per_block
+        if n < 2:
+            raise MemoryError(f"KV cache budget {budget} B holds fewer than 2 blocks of {per_block} B")
+        return int(n)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        a = self.arch
+        shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                          for _ in range(a.num_layers)]
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self.kv_scales = KVScales(a.num_layers, self.device)
+        self.num_blocks = num_blocks
+        log.info("kv cache: %d blocks x %d tokens, %s, %.1f MiB", num_blocks, self.block_size,
+                 str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block() / 2**20)
+
+    # ---- one step ---------------------------------------------------------------------
+    def build_metadata(self, rows: list[StepInput]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens = []
+        logits_idx = []
+        for r in rows:
+            n = len(r.token_ids)
+            ids.extend(r.token_ids)
+            for p in range(r.start, r.start + n):
+                pos.append(p)
+                slots.append(r.block_ids[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(r.start + n)
+            if r.sample:
+                logits_idx.append(qsl[-1] - 1)
+        max_blocks = max((len(r.block_ids) for r in rows), default=1)
+        bt = torch.zeros((len(rows), max(max_blocks, 1)), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            if r.block_ids:
+                bt[i, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=bt.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(rows))),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=qsl,
+            is_decode_only=all(len(r.token_ids) == 1 for r in rows),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, logits_idx
+
+    @torch.inference_mode()
+    def execute(self, rows: list[StepInput], sampling: SamplingBatch | None):
+        """Run one forward; return (SamplerOutput or None, logits of sampled rows)."""
+        t0 = time.perf_counter()
+        input_ids, positions, meta, logits_idx = self.build_metadata(rows)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
+        out = None
+        logits = None
+        if logits_idx:
+            idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            out = self.sampler(logits, sampling)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step_times.append(time.perf_counter() - t0)
+        del self.step_times[:-64]
+        return out, logits
+
+    def sampling_batch(self, reqs) -> SamplingBatch:
+        return SamplingBatch.from_requests(reqs, self.arch.vocab_size, self.device)
