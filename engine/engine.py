@@ -266,5 +266,5 @@ class Engine:
             "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "recent_step_ms": [round(t * 1e3, 3) for t in st[-16:]],
             "num_steps": self.num_steps, "num_generated_tokens": self.num_generated,
-            **{f"prefix_{k}": v for k, v in kvs.items()},
+            **kvs,
         }
