@@ -1,0 +1,51 @@
+"""Shared benchmark helpers: environment record and JSON result writing."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return "unknown"
+
+
+def machine() -> dict:
+    import torch
+
+    d = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+         "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        d["gpu"] = torch.cuda.get_device_name(0)
+    return d
+
+
+def write_result(name: str, config: dict, results: dict) -> str:
+    out_dir = os.environ.get("SPLITSERVE_BENCH_DIR") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    doc = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "commit": git_commit(),
+           "machine": machine(), "config": config, "results": results}
+    path = os.path.join(out_dir, f"{name}-{now.strftime('%Y%m%dT%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    return path
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
