@@ -66,6 +66,7 @@ class Engine:
         self.runner = ModelRunner(cfg, model, a, device, dtype)
         nb = self.runner.plan_num_blocks(self.max_model_len)
         self.runner.allocate_kv(nb)
+        self.runner.maybe_capture_graphs(self.max_model_len, self.attn_backend.name)
         self.kv = KVCacheManager(nb, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len)
         eos = set(a.eos_token_ids)
@@ -254,6 +255,7 @@ class Engine:
             "block_size": self.cfg.cache.block_size, "num_blocks": self.kv.num_blocks,
             "kv_dtype": DTYPE_NAMES[self.runner.kv_dtype], "dtype": DTYPE_NAMES[self.dtype],
             "device": self.device, "attention_backend": self.attn_backend.name,
+            "cuda_graphs": self.runner.graphs.metrics() if self.runner.graphs else None,
         }
 
     def stats(self) -> dict:
@@ -267,4 +269,5 @@ class Engine:
             "recent_step_ms": [round(t * 1e3, 3) for t in st[-16:]],
             "num_steps": self.num_steps, "num_generated_tokens": self.num_generated,
             **kvs,
+            **(self.runner.graphs.metrics() if self.runner.graphs else {}),
         }

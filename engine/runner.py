@@ -60,6 +60,7 @@ class ModelRunner:
         self.kv_scales: KVScales | None = None
         self.num_blocks = 0
         self.step_times: list[float] = []
+        self.graphs = None  # engine.graphs.CUDAGraphRunner once captured
 
     # ---- KV cache -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -97,6 +98,33 @@ class ModelRunner:
         self.num_blocks = num_blocks
         log.info("kv cache: %d blocks x %d tokens, %s, %.1f MiB", num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block() / 2**20)
+
+    def maybe_capture_graphs(self, max_model_len: int, backend_name: str) -> None:
+        d = self.cfg.device
+        if self.device.type != "cuda" or d.enforce_eager:
+            return
+        if backend_name == "torch":
+            log.info("cuda graphs off: the torch attention backend is not graph-safe")
+            return
+        from engine.graphs import CUDAGraphRunner
+
+        max_batch = min(d.cuda_graph_max_batch or self.cfg.scheduler.max_num_seqs,
+                        self.cfg.scheduler.max_num_seqs)
+        max_blocks = -(-max_model_len // self.block_size)
+        if self.kv_scales is not None:
+            self._calibrate_fp8()
+        self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.kv_scales, max_batch,
+                                      max_blocks, self.block_size, self.device)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def _calibrate_fp8(self) -> None:
+        # NOTE: fp8 scales freeze at their first write; calibrate on a real forward before
+        # graph capture so the capture's dummy inputs never set them. Block 0 is scratch here.
+        n = min(self.block_size, 16)
+        rows = [StepInput("calib", list(range(1, n + 1)), 0, [0], True)]
+        ids, pos, meta, _ = self.build_metadata(rows)
+        self.model(ids, pos, self.kv_caches, meta, self.kv_scales)
 
     # ---- one step ---------------------------------------------------------------------
     def build_metadata(self, rows: list[StepInput]):
@@ -144,15 +172,22 @@ class ModelRunner:
         """Run one forward; return (SamplerOutput or None, logits of sampled rows)."""
         t0 = time.perf_counter()
         input_ids, positions, meta, logits_idx = self.build_metadata(rows)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
         out = None
         logits = None
+        if self.graphs is not None and meta.is_decode_only and len(logits_idx) == len(rows):
+            logits = self.graphs.run(input_ids, positions, meta)
+            if logits is not None:
+                out = self.sampler(logits, sampling)
+                return self._done(t0, out, logits)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
         if logits_idx:
             idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             out = self.sampler(logits, sampling)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        return self._done(t0, out, logits)
+
+    def _done(self, t0: float, out, logits):
+        # the sampler's host copy of token ids already synchronized with the device
         self.step_times.append(time.perf_counter() - t0)
         del self.step_times[:-64]
         return out, logits
