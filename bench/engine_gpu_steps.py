@@ -1,0 +1,164 @@
+"""Engine step timings on a GPU: decode steps (graph replay and eager), prefill throughput,
+HF transformers eager on the same weights, and the memory/compute roofline.
+
+Used by bench/engine_gpu.py; each function returns plain dicts for the JSON.
+KV contents are random: step time does not depend on the values, only on the shapes.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.layers.attention import AttentionMetadata
+
+
+def cuda_time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    """Median of per-iteration CUDA-event timings."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = cuda_time_ms(lambda: y.copy_(x), iters=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
+
+
+def gemm_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = cuda_time_ms(lambda: a @ b, iters=20)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def make_engine(shape: str, max_batch: int, max_ctx: int, eager: bool, backend: str = "auto",
+                num_blocks: int | None = None) -> Engine:
+    bs = 16
+    nb = num_blocks or (max_batch * (-(-max_ctx // bs)) + 8)
+    cfg = EngineConfig(
+        model=ModelConfig(model=f"dummy:{shape}", dtype="bf16", max_model_len=max_ctx + 64),
+        cache=CacheConfig(block_size=bs, num_blocks=nb),
+        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=8192),
+        device=DeviceConfig(device="cuda", enforce_eager=eager, attention_backend=backend,
+                            cuda_graph_max_batch=max_batch))
+    return Engine(cfg)
+
+
+def decode_inputs(eng: Engine, batch: int, ctx: int):
+    """A decode-only batch: `batch` sequences each with `ctx` tokens of context, disjoint blocks."""
+    bs = eng.cfg.cache.block_size
+    nblk = -(-(ctx + 1) // bs)
+    dev = eng.runner.device
+    bt = torch.arange(batch * nblk, dtype=torch.int32, device=dev).view(batch, nblk)
+    pos = torch.full((batch,), ctx, dtype=torch.long, device=dev)
+    slots = (bt[:, ctx // bs].long() * bs + ctx % bs)
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=bt,
+        seq_lens=torch.full((batch,), ctx + 1, dtype=torch.int32, device=dev),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        max_query_len=1, max_seq_len=ctx + 1, block_size=bs,
+        seq_lens_cpu=[ctx + 1] * batch, query_start_loc_cpu=list(range(batch + 1)),
+        is_decode_only=True)
+    ids = torch.randint(0, eng.arch.vocab_size, (batch,), device=dev)
+    return ids, pos, meta
+
+
+@torch.inference_mode()
+def time_decode(eng: Engine, batch: int, ctx: int) -> dict:
+    ids, pos, meta = decode_inputs(eng, batch, ctx)
+    r = eng.runner
+    res = {}
+    if r.graphs is not None:
+        res["graph_ms"] = cuda_time_ms(lambda: r.graphs.run(ids, pos, meta))
+    def eager():
+        h = r.model(ids, pos, r.kv_caches, meta, r.kv_scales)
+        return r.model.compute_logits(h)
+    res["eager_ms"] = cuda_time_ms(eager, iters=10, warmup=2)
+    return res
+
+
+@torch.inference_mode()
+def time_prefill(eng: Engine, n_tokens: int) -> float:
+    bs = eng.cfg.cache.block_size
+    dev = eng.runner.device
+    nblk = -(-n_tokens // bs)
+    bt = torch.arange(nblk, dtype=torch.int32, device=dev)[None]
+    pos = torch.arange(n_tokens, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=(bt[0].long().repeat_interleave(bs)[:n_tokens] * bs + pos % bs),
+        block_tables=bt, seq_lens=torch.tensor([n_tokens], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, n_tokens], dtype=torch.int32, device=dev),
+        max_query_len=n_tokens, max_seq_len=n_tokens, block_size=bs,
+        seq_lens_cpu=[n_tokens], query_start_loc_cpu=[0, n_tokens])
+    ids = torch.randint(0, eng.arch.vocab_size, (n_tokens,), device=dev)
+    r = eng.runner
+
+    def run():
+        h = r.model(ids, pos, r.kv_caches, meta, r.kv_scales)
+        return r.model.compute_logits(h[-1:])
+    return cuda_time_ms(run, iters=5, warmup=2)
+
+
+def model_flops_per_token(arch, ctx: int) -> float:
+    """Matmul FLOPs per token (2 * params in linear layers) + attention (4 * ctx * heads * d)."""
+    a = arch
+    d, f = a.hidden_size, a.intermediate_size
+    per_layer = 2 * (d * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * d
+                     + 3 * d * f)
+    attn = 4 * ctx * a.num_heads * a.head_dim
+    return a.num_layers * (per_layer + attn) + 2 * d * a.vocab_size
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(arch, elem: int = 2) -> int:
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+
+
+@torch.inference_mode()
+def hf_decode_ms(eng: Engine, ctx: int, batch: int = 1) -> float | None:
+    """HF transformers eager decode step with its own KV cache, same weights as ours."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    a = eng.arch
+    cfg = transformers.LlamaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+        rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings)
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(cfg)
+    hf = hf.to_empty(device="cuda").to(torch.bfloat16).eval()
+    ids = torch.randint(0, a.vocab_size, (batch, ctx), device="cuda")
+    out = hf(ids, use_cache=True)
+    past = out.past_key_values
+    nxt = torch.randint(0, a.vocab_size, (batch, 1), device="cuda")
+    # NOTE: a DynamicCache grows on every call; crop back so every timed step sees ctx tokens.
+    def step():
+        hf(nxt, past_key_values=past, use_cache=True)
+        past.crop(ctx)
+    t = cuda_time_ms(step, iters=10, warmup=3)
+    del hf, past, out
+    torch.cuda.empty_cache()
+    return t
