@@ -1,0 +1,69 @@
+"""Disaggregation at the engine level: prefill on one engine, KV blocks exported and imported
+into another engine's reserved blocks, decode there == one engine doing everything."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+
+def _engine(kv_dtype="auto", prefix=True):
+    return Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
+                               cache=CacheConfig(num_blocks=64, kv_cache_dtype=kv_dtype,
+                                                 enable_prefix_caching=prefix)))
+
+
+def _run_all(eng, prompts, params):
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    got = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_prefill_export_import_decode_equals_colocated(kv_dtype):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = _run_all(_engine(kv_dtype), PROMPTS, params)
+    pre, dec = _engine(kv_dtype), _engine(kv_dtype)
+    for i, p in enumerate(PROMPTS):
+        rid = f"r{i}"
+        blocks = dec.reserve(rid, len(p))
+        assert blocks and len(blocks) == -(-len(p) // 16)
+        pre.add_request(rid, p, params, prefill_only=True)
+        first = None
+        while pre.has_unfinished():
+            for o in pre.step():
+                first = o.new_token_ids[0]
+                assert o.finished
+        kv = pre.export_kv(rid)
+        assert kv.num_tokens == len(p) and kv.num_blocks == len(blocks)
+        pre.release(rid)
+        dec.import_kv(rid, kv)
+        assert dec.add_prefilled(rid, p, first, params) is None
+        toks = [first]
+        while dec.has_unfinished():
+            for o in dec.step():
+                toks += o.new_token_ids
+        assert toks == want[i], f"prompt {i}"
+    assert dec.kv.num_free_blocks + dec.kv.stats().get("cached_blocks", 0) >= 0
+    assert not pre.requests and not dec.requests
+
+
+def test_fp8_kv_close_to_fp32_and_smaller():
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    full, fp8 = _engine("auto"), _engine("fp8_e4m3")
+    assert fp8.runner.bytes_per_block() * 4 == full.runner.bytes_per_block()  # fp32 -> fp8
+    a = _run_all(full, PROMPTS, params)
+    b = _run_all(fp8, PROMPTS, params)
+    agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(map(len, a))
+    assert agree >= 0.8, agree
+    assert fp8.runner.kv_caches[0].dtype == torch.float8_e4m3fn
