@@ -1,0 +1,99 @@
+"""Engine benchmark on one GPU, one call: decode step time (CUDA graphs and eager) for several
+batch sizes and contexts, prefill throughput, HF transformers eager, and the roofline.
+
+    python -m bench.engine_gpu [--shapes llama-3.2-1b,llama-3.1-8b] [--quick]
+
+Random bf16 weights in the real shapes. Timings: CUDA events, warm-up, median of many.
+Roofline: decode floor = (weight bytes + KV bytes read) / measured copy bandwidth;
+prefill floor = FLOPs / measured bf16 GEMM rate. Kernel micro-benchmarks: bench/kernels_gpu.py.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import time
+
+import torch
+
+from bench.common import print_table, write_result
+from bench.engine_gpu_steps import (copy_bandwidth_gbs, gemm_tflops, hf_decode_ms, kv_bytes_per_token,
+                                    make_engine, model_flops_per_token, time_decode, time_prefill,
+                                    weight_bytes)
+
+DECODE_CASES = [(1, 1024), (8, 1024), (32, 1024), (64, 1024), (128, 1024),
+                (1, 4096), (8, 4096), (32, 4096), (64, 4096), (128, 4096), (64, 2048)]
+PREFILL_LENS = [128, 512, 2048, 4096]
+
+
+def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]:
+    rows = []
+    cases = DECODE_CASES if not quick else [(1, 1024), (64, 2048)]
+    max_batch = max(b for b, _ in cases)
+    max_ctx = max(c for _, c in cases)
+    t0 = time.perf_counter()
+    # KV for the largest case only; other cases reuse the first blocks.
+    nb = max(b * (-(-(c + 1) // 16)) for b, c in cases) + 8
+    eng = make_engine(shape, max_batch, max_ctx, eager=False, num_blocks=nb)
+    print(f"[{shape}] engine + graphs ready in {time.perf_counter() - t0:.1f}s "
+          f"({eng.runner.graphs.metrics() if eng.runner.graphs else 'no graphs'})", flush=True)
+    wb = weight_bytes(eng.runner.model)
+    kvt = kv_bytes_per_token(eng.arch)
+    for b, c in cases:
+        t = time_decode(eng, b, c)
+        floor = (wb + b * c * kvt) / (bw * 1e9) * 1e3
+        rows.append({"shape": shape, "case": f"decode b={b} ctx={c}",
+                     "graph_ms": round(t.get("graph_ms", float("nan")), 3),
+                     "eager_ms": round(t["eager_ms"], 3), "floor_ms": round(floor, 3),
+                     "floor/graph": round(floor / t.get("graph_ms", float("nan")), 3)})
+        print("  ", rows[-1], flush=True)
+    for n in (PREFILL_LENS if not quick else [512, 4096]):
+        ms = time_prefill(eng, n)
+        flops = model_flops_per_token(eng.arch, n // 2) * n
+        rows.append({"shape": shape, "case": f"prefill {n}", "eager_ms": round(ms, 3),
+                     "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
+                     "floor_ms": round(flops / (tflops * 1e12) * 1e3, 3)})
+        print("  ", rows[-1], flush=True)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    # HF eager on the same shape (batch 1, ctx 1024)
+    eng = make_engine(shape, 1, 1100, eager=True, num_blocks=80)
+    hf = hf_decode_ms(eng, 1024)
+    rows.append({"shape": shape, "case": "HF eager decode b=1 ctx=1024",
+                 "eager_ms": round(hf, 3) if hf else None})
+    print("  ", rows[-1], flush=True)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    bw = copy_bandwidth_gbs()
+    tf = gemm_tflops()
+    print(f"copy bandwidth {bw:.0f} GB/s, bf16 GEMM {tf:.0f} TFLOP/s", flush=True)
+    rows = []
+    for shape in a.shapes.split(","):
+        rows += bench_shape(shape, bw, tf, a.quick)
+    # ratios vs HF at batch 1
+    for shape in a.shapes.split(","):
+        hf = next((r["eager_ms"] for r in rows if r["shape"] == shape and r["case"].startswith("HF")), None)
+        ours = next((r.get("graph_ms") for r in rows if r["shape"] == shape
+                     and r["case"] == "decode b=1 ctx=1024"), None)
+        if hf and ours:
+            rows.append({"shape": shape, "case": "speedup vs HF b=1", "graph_ms": round(hf / ours, 1)})
+    print_table(rows, ["shape", "case", "graph_ms", "eager_ms", "floor_ms", "floor/graph", "tflops"])
+    path = write_result("engine_gpu", {"shapes": a.shapes, "dtype": "bf16", "block_size": 16,
+                                       "copy_gbs": round(bw, 1), "gemm_tflops": round(tf, 1)},
+                        {"rows": rows})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
