@@ -1,0 +1,161 @@
+"""KVCacheManager: per-request block tables over a BlockPool, with prefix caching.
+
+A request's block table covers its tokens in order: token position p lives in
+block_ids(rid)[p // block_size] at offset p % block_size.
+
+Prefix caching hashes FULL blocks along a chain: key_i = (chain_hash_{i-1}, tokens of block i),
+chain_hash_i = hash(key_i), so a block is reused only when its whole prefix matches.
+- `get_computed_blocks(req)` (first scheduling, request holds no blocks) attaches the longest
+  run of cached leading blocks (ref++). The last known token is never counted as cached: it
+  must be recomputed to produce logits, so at most (num_tokens - 1) // block_size full blocks hit.
+- `cache_full_blocks(req)` (after each step) registers the blocks that
+  req.num_computed_tokens has filled since the last call.
+- Freed blocks keep their key on an LRU free list until reallocated (then evicted from the map).
+
+Stats: prefix_queries / prefix_hits count tokens, committed when the allocation that follows
+`get_computed_blocks` succeeds (a failed admission that is retried later is counted once).
+"""
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        # chain hashes of the leading full blocks already registered / hit, per request
+        self._hashes: dict[str, list[int]] = {}
+        self._pending_stats: dict[str, tuple[int, int]] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- sizes ----------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table ([] when it holds none)."""
+        return list(self._tables.get(request_id, ()))
+
+    def has_blocks(self, request_id: str) -> bool:
+        return bool(self._tables.get(request_id))
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def _key(self, parent: int | None, tokens: list[int], i: int) -> tuple:
+        bs = self.block_size
+        return (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> int:
+        """Attach cached leading full blocks to a request that holds none; return #tokens hit."""
+        rid = req.request_id
+        if self._tables.get(rid):
+            raise RuntimeError(f"get_computed_blocks: request {rid!r} already holds blocks")
+        tokens = req.all_token_ids
+        if not self.enable_prefix_caching:
+            self._pending_stats[rid] = (len(tokens), 0)
+            return 0
+        max_blocks = (len(tokens) - 1) // self.block_size
+        table: list[int] = []
+        hashes: list[int] = []
+        parent = None
+        for i in range(max_blocks):
+            key = self._key(parent, tokens, i)
+            bid = self.pool.lookup(key)
+            if bid is None:
+                break
+            self.pool.touch(bid)
+            table.append(bid)
+            parent = hash(key)
+            hashes.append(parent)
+        if table:
+            self._tables[rid] = table
+            self._hashes[rid] = hashes
+        hit = len(table) * self.block_size
+        self._pending_stats[rid] = (len(tokens), hit)
+        return hit
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = req.request_id
+        table = self._tables.get(rid)
+        if not table:
+            return
+        hashes = self._hashes.setdefault(rid, [])
+        tokens = req.all_token_ids
+        n_full = min(req.num_computed_tokens, len(tokens)) // self.block_size
+        n_full = min(n_full, len(table))
+        for i in range(len(hashes), n_full):
+            key = self._key(hashes[-1] if hashes else None, tokens, i)
+            hashes.append(self.pool.register(table[i], key))
+
+    # ---- allocation -----------------------------------------------------------------
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Grow the block table to cover req.num_computed_tokens + num_new_tokens tokens.
+        All-or-nothing: on False nothing changed."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        rid = req.request_id
+        table = self._tables.get(rid, [])
+        need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(table)
+        if need > 0:
+            new = self.pool.take(need)
+            if new is None:
+                return False
+            table = table + new
+            self._tables[rid] = table
+        pending = self._pending_stats.pop(rid, None)
+        if pending is not None:
+            self.prefix_queries += pending[0]
+            self.prefix_hits += pending[1]
+        return True
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: fresh blocks for an incoming KV of num_tokens tokens, or None."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if self._tables.get(request_id):
+            raise ValueError(f"request {request_id!r} already holds KV blocks")
+        new = self.pool.take(self.blocks_for(num_tokens))
+        if new is None:
+            return None
+        self._tables[request_id] = new
+        return list(new)
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's blocks (ref--); idempotent."""
+        self._pending_stats.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        table = self._tables.pop(request_id, None)
+        if table:
+            self.pool.release(table[::-1])  # tail first: evicted before the shared head
+
+    # ---- introspection --------------------------------------------------------------
+    def stats(self) -> dict:
+        q = self.prefix_queries
+        return {
+            "prefix_queries": q,
+            "prefix_hits": self.prefix_hits,
+            "prefix_hit_rate": (self.prefix_hits / q) if q else 0.0,
+            "num_cached_blocks": len(self.pool.cached),
+            "num_evictions": self.pool.num_evictions,
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "usage": self.usage,
+        }
