@@ -1,0 +1,36 @@
+"""Small helpers shared by the Triton kernel wrappers."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a nominal 8 on CPU (Triton interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 8
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (tf32 would miss the reference tolerances);
+    # bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """NOTE: the Triton interpreter computes tl.dot on bf16 operands wrongly (raw bits), so
+    under the interpreter bf16 kernels upcast their dot operands to fp32. Never on GPU."""
+    return dtype == torch.bfloat16 and interpreting()

@@ -1,0 +1,176 @@
+"""Triton paged decode attention (one query token per sequence), flash-decoding style.
+
+Stage 1 (_decode_split_kernel), grid (num_seqs, num_kv_heads, num_splits): each program takes
+ALL query heads of one KV head group (GQA) so every K/V byte is read once, and one contiguous
+slice of the sequence's context. It writes a normalised partial output and its log-sum-exp
+(base 2). Stage 2 (_decode_reduce_kernel), grid (num_seqs, num_heads), merges the splits.
+With num_splits == 1 stage 1 writes the final output directly.
+
+CUDA-graph safety: no host reads of device data; the grid depends only on tensor shapes
+(num_splits is chosen from block_tables.shape, not from seq_lens values).
+NOTE: a sequence with seq_len 0 (graph padding) produces a zero output row.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import dot_precision, upcast_dots, num_sms
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+                         out_ptr, part_o_ptr, part_lse_ptr, sm_scale,
+                         stride_qt, stride_qh, stride_c_kv, stride_c_slot, stride_c_h, stride_bt,
+                         stride_ot, stride_oh,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + s)
+
+    # this split's context slice: whole BLOCK_N tiles, [start, end)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    heads = kvh * G + offs_g
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+    cdt = q.dtype
+    qk_scale = sm_scale * 1.4426950408889634
+    if IS_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    k_base = cache_ptr + kvh * stride_c_h
+    v_base = k_base + stride_c_kv
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blk = tl.load(bt_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
+        slot = blk * BS + offs_n % BS
+        kv_off = slot[:, None] * stride_c_slot + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(cdt)  # [BLOCK_N, D_PAD]
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(cdt)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [G_PAD, BLOCK_N]
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v, input_precision=PREC)
+        m_i = m_new
+
+    if IS_FP8:
+        acc = acc * tl.load(v_scale_ptr)
+    has = l_i > 0.0  # false for an empty split / empty sequence
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + s.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        # partial buffers: o [S, Hq, NUM_SPLITS, D_PAD] fp32, lse [S, Hq, NUM_SPLITS] fp32
+        row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+                          D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    row = s.to(tl.int64) * tl.num_programs(1) + h
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    o = tl.load(part_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)
+    tot = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
+    tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                      block_n: int, device: torch.device) -> int:
+    """Splits so that num_seqs * num_kv_heads * splits fills the GPU ~4 programs per SM, capped
+    so a split keeps >= 4 KV tiles. Shape-only => stable under CUDA-graph capture."""
+    tiles = max(1, math.ceil(max_blocks * block_size / block_n))
+    want = math.ceil(4 * num_sms(device) / max(1, num_seqs * num_kv_heads))
+    return int(max(1, min(want, max(1, tiles // 4), 64)))
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, block_n: int | None = None,
+                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
+    Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`)."""
+    S, Hq, D = q.shape
+    _, _, BS, Hkv, Dc = kv_cache.shape
+    if Dc != D or Hq % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} incompatible with kv_cache {tuple(kv_cache.shape)}")
+    if block_tables.shape[0] < S or seq_lens.shape[0] < S:
+        raise ValueError("block_tables / seq_lens have fewer rows than q")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_tables need a contiguous last dim")
+    is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if is_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("fp8 KV cache needs k_scale and v_scale")
+    if out is None:
+        out = torch.empty_like(q)
+    if S == 0:
+        return out
+    G = Hq // Hkv
+    D_PAD = triton.next_power_of_2(D)
+    if block_n is None:
+        block_n = 64 if D_PAD <= 128 else 32
+    if num_splits is None:
+        num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device)
+    if num_splits > 1:
+        part_o = torch.empty((S, Hq, num_splits, D_PAD), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((S, Hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    ks = k_scale if is_fp8 else seq_lens
+    vs = v_scale if is_fp8 else seq_lens
+    _decode_split_kernel[(S, Hkv, num_splits)](
+        q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale),
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, IS_FP8=is_fp8, PREC=dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
+        UPCAST=upcast_dots(q.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        _decode_reduce_kernel[(S, Hq)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), D=D, D_PAD=D_PAD,
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out

@@ -1,0 +1,74 @@
+"""Triton RMSNorm and fused residual-add + RMSNorm (one program per row, fp32 math).
+
+Numerics follow HF Llama: normalise in fp32, cast to the input dtype, then multiply by the
+weight (so results match engine.kernels.reference bit-for-bit up to reduction order).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
+                    stride_x, stride_r, stride_o, stride_ro, N: tl.constexpr,
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / N
+    y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, x.shape[-1]
+
+
+def _launch(x2, r2, weight, out, res_out, eps, N):
+    M = x2.shape[0]
+    if M == 0:
+        return
+    BLOCK = triton.next_power_of_2(N)
+    nw = 4 if BLOCK <= 2048 else 8
+    _rmsnorm_kernel[(M,)](x2, r2 if r2 is not None else x2, weight, out,
+                          res_out if res_out is not None else out, float(eps),
+                          x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0),
+                          (res_out if res_out is not None else out).stride(0),
+                          N=N, BLOCK=BLOCK, HAS_RES=r2 is not None, num_warps=nw)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden]; returns a new tensor like x."""
+    x2, N = _check(x, weight)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch(x2, None, weight, out, None, eps, N)
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual') * weight, residual') as new
+    tensors in x's dtype (inputs are not modified)."""
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    x2, N = _check(x, weight)
+    r2, _ = _check(residual, weight)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch(x2, r2, weight, out, res_out, eps, N)
+    return out.view(x.shape), res_out.view(x.shape)
