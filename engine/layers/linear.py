@@ -1,0 +1,64 @@
+"""Linear layers whose weights are loaded from several HF tensors (fused at load time).
+
+Parameters are created uninitialised (torch.empty): weights always come from a loader,
+and skipping init keeps building an 8B model cheap.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Linear(torch.nn.Module):
+    """y = x @ W^T (+ b). W: [out_features, in_features] like torch / HF."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                         requires_grad=False)
+        self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, param_name: str, tensor: torch.Tensor) -> None:
+        _copy(getattr(self, param_name), tensor, f"{param_name}")
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along out_features, e.g. q|k|v or
+    gate|up. `shards` names each part and its size, in order."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
+                 dtype: torch.dtype | None = None):
+        super().__init__(in_features, sum(shards.values()), bias, dtype)
+        self.shard_sizes = dict(shards)
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for name, size in shards.items():
+            self.offsets[name] = off
+            off += size
+
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        if shard not in self.shard_sizes:
+            raise ValueError(f"unknown shard {shard!r}; have {list(self.shard_sizes)}")
+        p = getattr(self, param_name)
+        if p is None:
+            raise ValueError(f"layer has no {param_name} but the checkpoint holds one for {shard}")
+        off, size = self.offsets[shard], self.shard_sizes[shard]
+        _copy(p.data[off:off + size], tensor, f"{shard}.{param_name}")
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """y [..., out_features] -> one view per shard, in order."""
+        return list(y.split(list(self.shard_sizes.values()), dim=-1))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)

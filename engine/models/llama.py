@@ -1,0 +1,210 @@
+"""Llama-family causal LM in plain torch (Llama 2/3, SmolLM2, Mistral, Qwen2).
+
+The model runs over a flat batch: T tokens of many sequences concatenated, with their
+positions; attention (and the KV cache write) goes through the AttentionBackend, which is
+the only piece that knows about sequences and pages. q/k/v and gate/up are fused into one
+matmul each; `load_weights` still takes HF tensor names and fills the fused slices.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Iterable
+
+import torch
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScales
+from engine.layers.linear import Linear, MergedLinear
+from engine.layers.rmsnorm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.arch import ModelArch
+
+log = logging.getLogger("splitserve.engine.model")
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF sub-name inside a layer -> (our module path, shard or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+# tensors some checkpoints carry that the model does not need
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, backend: AttentionBackend,
+                 dtype: torch.dtype | None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.qkv_proj = MergedLinear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
+                                     bias=arch.attention_bias, dtype=dtype)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.backend = backend
+
+    def forward(self, positions, x, kv_cache, meta, kv_scales):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(t, self.num_heads, self.head_dim)      # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, kv_scales)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype | None):
+        super().__init__()
+        i = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, {"gate": i, "up": i}, dtype=dtype)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(i, arch.hidden_size, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, arch: ModelArch, idx: int, backend: AttentionBackend, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = Attention(arch, idx, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = MLP(arch, dtype)
+
+    def forward(self, positions, h, residual, kv_cache, meta, kv_scales):
+        # pre-norm residual stream: residual carries the running sum, h the block output
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, x, kv_cache, meta, kv_scales)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
+
+
+class CausalLM(torch.nn.Module):
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, dtype: torch.dtype | None = None):
+        """dtype (optional, extension of API.md): build parameters directly in this dtype;
+        None -> torch's default dtype. Parameters are uninitialised until load_weights."""
+        super().__init__()
+        self.arch = arch
+        self.attn_backend = attn_backend
+        self.embed_tokens = torch.nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(arch, i, attn_backend, dtype) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head = None  # NOTE: tied: compute_logits reads embed_tokens
+        else:
+            self.lm_head = torch.nn.Parameter(
+                torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, kv_scales: KVScales | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] long -> final-normed hidden [T, hidden]."""
+        h = torch.nn.functional.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(positions, h, residual, kv_caches[i], meta, kv_scales)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32.
+        NOTE: with fp32 weights the matmul is fp32; with bf16/fp16 weights the matmul runs
+        in the weight dtype (fp32 accumulation in cuBLAS) and the result is upcast --
+        materialising an fp32 copy of a 128k-vocab lm_head per step would cost GBs."""
+        w = self.lm_head_weight
+        return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+
+    # ---- weights ----------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """weights: (HF name, tensor) pairs. Raises ValueError on an unknown name, a shape
+        mismatch, or when a parameter is never filled."""
+        filled: set[str] = set()
+        n = 0
+        for name, t in weights:
+            n += 1
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            filled.add(self._load_one(name, t))
+        expected = self._expected_keys()
+        missing = sorted(expected - filled)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+        log.debug("loaded %d tensors", n)
+
+    def _load_one(self, name: str, t: torch.Tensor) -> str:
+        """Copies one HF tensor in; returns the key it fills (HF-style, for the coverage check)."""
+        if name == "model.embed_tokens.weight":
+            _copy_param(self.embed_tokens, t, name)
+            return name
+        if name == "lm_head.weight":
+            if self.lm_head is None:
+                return name  # tied checkpoints sometimes store the duplicate; ignore it
+            _copy_param(self.lm_head, t, name)
+            return name
+        if name == "model.norm.weight":
+            _copy_param(self.norm.weight, t, name)
+            return name
+        m = _LAYER_RE.match(name)
+        if not m:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        idx, rest = int(m.group(1)), m.group(2)
+        if idx >= len(self.layers):
+            raise ValueError(f"tensor {name!r}: layer {idx} >= num_layers {len(self.layers)}")
+        layer = self.layers[idx]
+        mod_name, _, pname = rest.rpartition(".")
+        if mod_name in _FUSED:
+            target, shard = _FUSED[mod_name]
+            try:
+                layer.get_submodule(target).load_shard(shard, pname, t)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}: {e}") from None
+            return name
+        try:
+            mod = layer.get_submodule(mod_name)
+        except AttributeError:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint") from None
+        p = getattr(mod, pname, None)
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        _copy_param(p, t, name)
+        return name
+
+    def _expected_keys(self) -> set[str]:
+        a = self.arch
+        keys = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            keys.add("lm_head.weight")
+        per = ["input_layernorm.weight", "post_attention_layernorm.weight",
+               "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight"]
+        if a.attention_bias:
+            per += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        for i in range(a.num_layers):
+            keys.update(f"model.layers.{i}.{p}" for p in per)
+        return keys
+
+
+def _copy_param(p: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    if tuple(p.shape) != tuple(t.shape):
+        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(t.shape)} != model shape {tuple(p.shape)}")
+    with torch.no_grad():
+        p.copy_(t)
