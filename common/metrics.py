@@ -1,0 +1,158 @@
+"""Prometheus metrics shared by gateway, prefill and decode.
+
+Each process builds one `ServiceMetrics` (usually via `get_metrics(service)`); tests build
+their own with a fresh `CollectorRegistry` so nothing leaks between them.
+
+    m = get_metrics("decode")
+    m.serve(port=9102)                         # prefill/decode: /metrics on its own port
+    m.update_from_engine_stats(engine.stats()) # gauges set, cumulative engine counters -> deltas
+    m.ttft.observe(0.12); m.admission.labels(decision="admit").inc()
+
+All names start with `splitserve_`; times are seconds, sizes bytes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest, start_http_server)
+
+log = logging.getLogger("splitserve.metrics")
+
+# latency buckets (seconds): sub-ms for ITL on GPUs up to minutes for long CPU requests
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+         2.5, 5.0)
+_SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0,
+         80.0, 160.0)
+
+ADMISSION_DECISIONS = ("admit", "queue", "reject")
+
+
+class ServiceMetrics:
+    def __init__(self, service: str, registry: CollectorRegistry | None = None):
+        self.service = service
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        # --- request latencies
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds",
+                              "Time from request arrival to its first output token", buckets=_SLOW,
+                              registry=r)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds",
+                             "Time between consecutive output tokens of one request", buckets=_FAST,
+                             registry=r)
+        self.e2e = Histogram("splitserve_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token", buckets=_SLOW, registry=r)
+        self.queue_time = Histogram("splitserve_request_queue_seconds",
+                                    "Time a request waited before being scheduled/admitted",
+                                    buckets=_SLOW, registry=r)
+        self.requests = Counter("splitserve_requests", "Finished requests by outcome",
+                                ["outcome"], registry=r)  # outcome: stop|length|abort|error|...
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated",
+                                         registry=r)
+        # --- scheduler / cache state
+        self.running = Gauge("splitserve_num_requests_running", "Requests running now", registry=r)
+        self.waiting = Gauge("splitserve_num_requests_waiting", "Requests waiting now", registry=r)
+        self.waiting_tokens = Gauge("splitserve_waiting_prefill_tokens",
+                                    "Prompt tokens queued and not yet computed", registry=r)
+        self.kv_usage = Gauge("splitserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1)",
+                              registry=r)
+        self.kv_free_blocks = Gauge("splitserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
+        self.prefix_queries = Counter("splitserve_prefix_cache_queries",
+                                      "Tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("splitserve_prefix_cache_hits",
+                                   "Tokens found in the prefix cache", registry=r)
+        # --- KV transfer
+        self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved",
+                                         ["direction"], registry=r)  # direction: send|recv
+        self.kv_transfer_seconds = Histogram("splitserve_kv_transfer_seconds",
+                                             "Duration of one request's KV transfer", ["direction"],
+                                             buckets=_FAST, registry=r)
+        self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures",
+                                            "KV transfers that failed", ["direction"], registry=r)
+        # --- admission (gateway)
+        self.admission = Counter("splitserve_admission_decisions", "Admission controller decisions",
+                                 ["decision"], registry=r)
+        for d in ADMISSION_DECISIONS:
+            self.admission.labels(decision=d)  # NOTE: pre-create so the series exist at 0
+        self.predicted_ttft = Histogram("splitserve_predicted_ttft_seconds",
+                                        "Admission controller's TTFT prediction", buckets=_SLOW,
+                                        registry=r)
+        # --- CUDA graphs
+        self.cuda_graph_replays = Counter("splitserve_cuda_graph_replays", "CUDA graph replays",
+                                          registry=r)
+        self.cuda_graph_fallbacks = Counter("splitserve_cuda_graph_eager_fallbacks",
+                                            "Steps that fell back to eager instead of a graph",
+                                            registry=r)
+        self.cuda_graphs_captured = Gauge("splitserve_cuda_graphs_captured",
+                                          "Number of captured CUDA graphs", registry=r)
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _sync_counter(self, key: str, counter, total) -> None:
+        """Engine stats hold cumulative totals; a Prometheus counter only goes up by deltas."""
+        if total is None:
+            return
+        with self._lock:
+            last = self._last.get(key, 0.0)
+            delta = float(total) - last
+            if delta < 0:  # the engine restarted its count: count from the new total
+                delta = float(total)
+            self._last[key] = float(total)
+        if delta > 0:
+            counter.inc(delta)
+
+    def update_from_engine_stats(self, stats: dict) -> None:
+        """Engine.stats() -> gauges and counters (unknown / missing keys are skipped)."""
+        for key, gauge in (("running", self.running), ("waiting", self.waiting),
+                           ("waiting_tokens", self.waiting_tokens), ("kv_usage", self.kv_usage),
+                           ("num_free_blocks", self.kv_free_blocks),
+                           ("cuda_graph_captured_count", self.cuda_graphs_captured)):
+            v = stats.get(key)
+            if isinstance(v, (int, float)):
+                gauge.set(v)
+        self._sync_counter("prefix_queries", self.prefix_queries, stats.get("prefix_queries"))
+        self._sync_counter("prefix_hits", self.prefix_hits, stats.get("prefix_hits"))
+        self._sync_counter("graph_replays", self.cuda_graph_replays,
+                           stats.get("cuda_graph_replay_total"))
+        self._sync_counter("graph_fallbacks", self.cuda_graph_fallbacks,
+                           stats.get("cuda_graph_eager_fallback_total"))
+
+    def observe_kv_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.kv_transfer_bytes.labels(direction=direction).inc(nbytes)
+        self.kv_transfer_seconds.labels(direction=direction).observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """-> (body, content type) for a /metrics HTTP handler (e.g. in FastAPI)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Serve /metrics on its own thread; port 0 picks a free one. Returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = server.server_address[1]
+        log.info("%s metrics on http://%s:%d/metrics", self.service, host, bound)
+        self._server = server
+        return bound
+
+    def stop_serving(self) -> None:
+        srv = getattr(self, "_server", None)
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+            self._server = None
+
+
+_per_service: dict[str, ServiceMetrics] = {}
+
+
+def get_metrics(service: str) -> ServiceMetrics:
+    """The process-wide metrics of a service (created on first use, own registry)."""
+    if service not in _per_service:
+        _per_service[service] = ServiceMetrics(service)
+    return _per_service[service]
+
+
+def serve_metrics(port: int, service: str, host: str = "127.0.0.1") -> int:
+    return get_metrics(service).serve(port, host)
