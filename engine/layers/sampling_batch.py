@@ -1,0 +1,132 @@
+"""SamplingBatch: the per-row sampling parameters of one step, as tensors on the logits' device.
+
+Built once per step from the requests that sample (row i <-> reqs[i]). Optional pieces are None
+when no row needs them, so the common all-greedy / plain-temperature cases stay cheap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """splitmix64 of (seed, step) -> a 63-bit generator seed. Row noise depends only on the
+    request's seed and how many tokens it has produced, never on the batch around it."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _ids(tokens: list[int], V: int) -> torch.Tensor:
+    t = torch.tensor(tokens, dtype=torch.long)
+    return t.masked_fill_((t < 0) | (t >= V), V)  # out-of-vocab ids land in the padding column
+
+
+@dataclass
+class SamplingBatch:
+    request_ids: list[str]
+    vocab_size: int
+    device: torch.device
+    all_greedy: bool
+    greedy: torch.Tensor  # [N] bool
+    temperature: torch.Tensor  # [N] float32, 1.0 on greedy rows (never divides by 0)
+    top_k: torch.Tensor | None  # [N] long in [1, V]; None when no row uses top-k
+    top_p: torch.Tensor | None  # [N] float32; None when no row uses top-p
+    min_p: torch.Tensor | None  # [N] float32; None when no row uses min-p
+    # generator seeds for seeded rows: (row, mixed seed); other rows share the device RNG
+    seeded: list[tuple[int, int]]
+    # penalties, only for the rows listed in pen_rows ([P] long)
+    pen_rows: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None  # [P]
+    presence_penalty: torch.Tensor | None  # [P]
+    frequency_penalty: torch.Tensor | None  # [P]
+    seen_mask: torch.Tensor | None  # [P, V] bool: token in prompt or output (repetition)
+    output_counts: torch.Tensor | None  # [P, V] float32: occurrences in output (presence/frequency)
+    # min_tokens: (rows, token ids) whose logits are set to -inf this step
+    ban_rows: torch.Tensor | None
+    ban_tokens: torch.Tensor | None
+    logprobs: list[int | None]  # per row: None or N (chosen + top-N)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    @staticmethod
+    def from_requests(reqs: list[Request], vocab_size: int, device) -> "SamplingBatch":
+        if not reqs:
+            raise ValueError("SamplingBatch needs at least one request")
+        dev = torch.device(device)
+        V = vocab_size
+        ps = [r.params for r in reqs]
+
+        def f32(vals):
+            return torch.tensor(vals, dtype=torch.float32, device=dev)
+
+        greedy = [p.temperature == 0.0 for p in ps]
+        top_k = top_p = min_p = None
+        sampling = [p for p, g in zip(ps, greedy) if not g]
+        if any(p.top_k > 0 and p.top_k < V for p in sampling):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps],
+                                 dtype=torch.long, device=dev)
+        if any(p.top_p < 1.0 for p in sampling):
+            top_p = f32([p.top_p for p in ps])
+        if any(p.min_p > 0.0 for p in sampling):
+            min_p = f32([p.min_p for p in ps])
+        seeded = [(i, mix_seed(p.seed, len(r.output_token_ids)))
+                  for i, (r, p, g) in enumerate(zip(reqs, ps, greedy)) if p.seed is not None and not g]
+
+        pen = [i for i, p in enumerate(ps) if p.needs_penalties]
+        pen_rows = rep = pres = freq = seen = counts = None
+        if pen:
+            P = len(pen)
+            pen_rows = torch.tensor(pen, dtype=torch.long, device=dev)
+            rep = f32([ps[i].repetition_penalty for i in pen])
+            pres = f32([ps[i].presence_penalty for i in pen])
+            freq = f32([ps[i].frequency_penalty for i in pen])
+            # scatter into V + 1 columns: column V absorbs padding, then is dropped
+            outs = [reqs[i].output_token_ids for i in pen]
+            prompts = [reqs[i].prompt_token_ids for i in pen]
+            lo = max(1, max(len(o) for o in outs))
+            lp = max(1, max(len(t) for t in prompts))
+            out_ids = torch.full((P, lo), V, dtype=torch.long)
+            prm_ids = torch.full((P, lp), V, dtype=torch.long)
+            for j, (o, t) in enumerate(zip(outs, prompts)):
+                if o:
+                    out_ids[j, :len(o)] = _ids(o, V)
+                prm_ids[j, :len(t)] = _ids(t, V)
+            out_ids, prm_ids = out_ids.to(dev), prm_ids.to(dev)
+            counts = torch.zeros((P, V + 1), dtype=torch.float32, device=dev)
+            counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+            counts = counts[:, :V].contiguous()
+            seen = torch.zeros((P, V + 1), dtype=torch.bool, device=dev)
+            seen.scatter_(1, prm_ids, True)
+            seen = seen[:, :V] | (counts > 0)
+
+        ban_r, ban_t = [], []
+        for i, (r, p) in enumerate(zip(reqs, ps)):
+            if len(r.output_token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stops.update(r.eos_token_ids)
+                for t in sorted(stops):
+                    if 0 <= t < V:
+                        ban_r.append(i)
+                        ban_t.append(t)
+        ban_rows = torch.tensor(ban_r, dtype=torch.long, device=dev) if ban_r else None
+        ban_tokens = torch.tensor(ban_t, dtype=torch.long, device=dev) if ban_t else None
+
+        return SamplingBatch(
+            request_ids=[r.request_id for r in reqs], vocab_size=V, device=dev,
+            all_greedy=all(greedy), greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
+            temperature=f32([1.0 if g else p.temperature for p, g in zip(ps, greedy)]),
+            top_k=top_k, top_p=top_p, min_p=min_p, seeded=seeded,
+            pen_rows=pen_rows, repetition_penalty=rep, presence_penalty=pres,
+            frequency_penalty=freq, seen_mask=seen, output_counts=counts,
+            ban_rows=ban_rows, ban_tokens=ban_tokens,
+            logprobs=[p.logprobs for p in ps])
