@@ -1,0 +1,120 @@
+"""gRPC plumbing shared by the services: message-size / keepalive options, uvloop, health +
+reflection registration, a serve-until-signal helper, and error -> status mapping."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.envs import env_int
+
+log = logging.getLogger("splitserve.grpc")
+
+
+def max_message_bytes() -> int:
+    # KV chunks are 1-4 MiB; leave headroom for big prompts / batched responses.
+    return env_int("SPLITSERVE_GRPC_MAX_MESSAGE_MB", 64) * 1024 * 1024
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Options for both servers and clients (the limits must agree on both ends)."""
+    n = max_message_bytes()
+    return [
+        ("grpc.max_send_message_length", n),
+        ("grpc.max_receive_message_length", n),
+        # detect a dead peer on a silent connection within ~20 s
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    return channel_options() + [
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.so_reuseport", 0),  # NOTE: two servers must never silently share one port
+    ]
+
+
+def install_uvloop() -> bool:
+    """Use uvloop for the process's event loops when available (returns whether it is)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is in requirements
+        log.warning("uvloop not installed; using the default asyncio loop")
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def run(main: Callable[[], Awaitable[int | None]]) -> int:
+    """Run an async main on uvloop; returns its exit code."""
+    install_uvloop()
+    return asyncio.run(main()) or 0
+
+
+def create_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=server_options())
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind insecure host:port (port 0 -> a free one); returns the bound port."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    return bound
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]
+                              ) -> health.aio.HealthServicer:
+    """Register grpc.health.v1 (all services start NOT_SERVING; call set_serving) and
+    server reflection for the given full service names."""
+    names = list(service_names)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection(
+        names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME], server)
+    return hs
+
+
+async def set_serving(hs: health.aio.HealthServicer, service_names: Iterable[str],
+                      serving: bool) -> None:
+    st = (health_pb2.HealthCheckResponse.SERVING if serving
+          else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for n in ["", *service_names]:
+        await hs.set(n, st)
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGINT / SIGTERM."""
+    loop = asyncio.get_running_loop()
+    ev = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, ev.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread
+            pass
+    await ev.wait()
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Map a known exception to its status and abort the RPC (always raises)."""
+    code, msg = status_for(exc)
+    await context.abort(code, msg)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    from engine.sampling_params import InvalidRequestError
+
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,78 @@
+"""Argparse flags shared by prefill_svc and decode_svc, and the EngineConfig built from them.
+
+Defaults come from SPLITSERVE_* variables (common/envs.py); an explicit flag wins. The
+config is built once in main() and validated by the engine's frozen dataclasses.
+"""
+from __future__ import annotations
+
+import argparse
+
+from common.envs import env_bool, env_int, env_str
+from engine.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, ModelConfig,
+                           SchedulerConfig)
+
+
+def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default=env_str("SPLITSERVE_HOST", "127.0.0.1"),
+                   help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=default_port, help="gRPC port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0 picks a free one; default off)")
+    p.add_argument("--log-level", default=None, help="DEBUG/INFO/WARNING (SPLITSERVE_LOG_LEVEL)")
+    p.add_argument("--ready-file", default=None,
+                   help="write 'grpc_port metrics_port' here once serving (tests, supervisors)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=env_str("SPLITSERVE_MODEL", "default"),
+                   help="'default', a HF dir, a .gguf file or dummy:<shape>")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default=env_str("SPLITSERVE_DTYPE", "auto"))
+    g.add_argument("--device", default=env_str("SPLITSERVE_DEVICE", "auto"))
+    g.add_argument("--seed", type=int, default=env_int("SPLITSERVE_SEED", 0))
+    g.add_argument("--block-size", type=int, default=env_int("SPLITSERVE_BLOCK_SIZE", 16))
+    g.add_argument("--kv-cache-dtype", default=env_str("SPLITSERVE_KV_CACHE_DTYPE", "auto"))
+    g.add_argument("--num-blocks", type=int, default=env_int("SPLITSERVE_NUM_BLOCKS"))
+    g.add_argument("--kv-cache-bytes", type=int, default=env_int("SPLITSERVE_KV_CACHE_BYTES"))
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=env_int("SPLITSERVE_MAX_NUM_SEQS", 128))
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=env_int("SPLITSERVE_MAX_NUM_BATCHED_TOKENS", 2048))
+    g.add_argument("--max-model-len", type=int, default=env_int("SPLITSERVE_MAX_MODEL_LEN"))
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true",
+                   default=env_bool("SPLITSERVE_ENFORCE_EAGER", False))
+    g.add_argument("--attention-backend", default="auto")
+
+
+def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = True) -> EngineConfig:
+    """-> validated EngineConfig; raises ConfigError with the offending value named."""
+    try:
+        return EngineConfig(
+            model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
+                              seed=a.seed, served_model_name=a.served_model_name),
+            cache=CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
+                              gpu_memory_utilization=a.gpu_memory_utilization,
+                              kv_cache_bytes=a.kv_cache_bytes, num_blocks=a.num_blocks,
+                              enable_prefix_caching=prefix_caching and not a.no_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
+                                      max_num_batched_tokens=a.max_num_batched_tokens),
+            device=DeviceConfig(device=a.device, enforce_eager=a.enforce_eager,
+                                attention_backend=a.attention_backend),
+        )
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def write_ready_file(path: str | None, grpc_port: int, metrics_port: int | None) -> None:
+    if not path:
+        return
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{grpc_port} {metrics_port if metrics_port is not None else -1}\n")
+    os.replace(tmp, path)  # atomic: readers never see a half-written file
