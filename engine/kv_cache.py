@@ -105,6 +105,34 @@ class KVCacheManager:
             key = self._key(hashes[-1] if hashes else None, tokens, i)
             hashes.append(self.pool.register(table[i], key))
 
+    def pending_hashes(self, req: Request, num_new_tokens: int) -> list[int]:
+        """Chain hashes of the full blocks that computing num_new_tokens more tokens will
+        complete (not cached yet). The scheduler uses them to defer a waiting request that
+        would otherwise recompute a prefix another request computes in the same step."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._hashes.get(req.request_id, [])
+        parent = hashes[-1] if hashes else None
+        tokens = req.all_token_ids
+        end = min(req.num_computed_tokens + num_new_tokens, len(tokens)) // self.block_size
+        out = []
+        for i in range(len(hashes), end):
+            parent = hash(self._key(parent, tokens, i))
+            out.append(parent)
+        return out
+
+    def next_block_hash(self, req: Request, num_hit_tokens: int) -> int | None:
+        """Chain hash of the first full block after a request's prefix hit, if it could hit."""
+        if not self.enable_prefix_caching:
+            return None
+        tokens = req.all_token_ids
+        i = num_hit_tokens // self.block_size
+        if i >= (len(tokens) - 1) // self.block_size:
+            return None
+        hashes = self._hashes.get(req.request_id, [])
+        parent = hashes[i - 1] if i > 0 else None
+        return hash(self._key(parent, tokens, i))
+
     # ---- allocation -----------------------------------------------------------------
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow the block table to cover req.num_computed_tokens + num_new_tokens tokens.

@@ -19,7 +19,9 @@ Lifecycle of a Request:
 Each step: running requests first, oldest first (a decode takes 1 token; one still in chunked
 prefill takes up to the remaining budget, capped by long_prefill_token_threshold), then waiting
 requests FIFO while budget and max_num_seqs allow. Waiting requests are never admitted by
-preempting running ones, and none is admitted in a step that preempted.
+preempting running ones, and none is admitted in a step that preempted. A waiting request whose
+next full block is being computed this step by another request (same prefix) waits one step so
+it hits the prefix cache instead of recomputing it; FIFO order is kept (admission stops there).
 
 A waiting request that can never run (its tokens need more blocks than the whole cache holds,
 or, with chunked prefill off, more tokens than max_num_batched_tokens) is removed, its status set to FINISHED_ABORTED, `req.error` set, and returned in
@@ -166,6 +168,12 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
+        # full blocks this step will compute: a waiting request whose next block is among them
+        # waits one step and then hits them instead of recomputing (in-batch prefix sharing)
+        pending: set[int] = set()
+        if self.waiting and self.kv.enable_prefix_caching:
+            for s in out.scheduled:
+                pending.update(self.kv.pending_hashes(s.req, s.num_tokens))
         while self.waiting and budget > 0 and len(out.scheduled) < max_seqs:
             req = self.waiting[0]
             if self.kv.blocks_for(req.num_tokens) > self.kv.num_blocks:
@@ -182,7 +190,9 @@ class Scheduler:
                                      f"{self.cfg.max_num_batched_tokens} and chunked prefill is off")
                 continue
             n = self._chunk(remaining, budget)
-            if (not self.cfg.enable_chunked_prefill and n < remaining) or not self.kv.allocate(req, n):
+            defer = bool(pending) and self.kv.next_block_hash(req, hit) in pending
+            if (defer or (not self.cfg.enable_chunked_prefill and n < remaining)
+                    or not self.kv.allocate(req, n)):
                 self.kv.free(req.request_id)  # drop attached hits; retried in a later step
                 req.num_computed_tokens = 0
                 break
@@ -193,6 +203,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledSeq(req, n, hit + n == req.num_tokens))
             budget -= n
+            if self.kv.enable_prefix_caching:
+                pending.update(self.kv.pending_hashes(req, n))
         return out
 
     def _fail(self, req: Request, out: SchedulerOutput, msg: str) -> None:

@@ -148,6 +148,30 @@ def test_chunking_disabled_runs_prompts_whole():
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_same_step_shared_prefix_waits_one_step_then_hits():
+    sched, kv, model = _make(budget=64)
+    shared = [9] * (2 * BS) + [8]
+    a = _req("a", shared + [1, 2], max_tokens=2, ignore_eos=True)
+    c = _req("c", [5] * 10, max_tokens=2, ignore_eos=True)
+    b = _req("b", shared + [3], max_tokens=2, ignore_eos=True)
+    for r in (a, c, b):
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.req.request_id for s in out.scheduled] == ["a", "c"]
+    sched.update(out, model.run(out))
+    out = sched.schedule()
+    assert [(s.req.request_id, s.num_tokens) for s in out.scheduled] == \
+        [("a", 1), ("c", 1), ("b", b.num_tokens - 2 * BS)]
+    assert b.num_cached_tokens == 2 * BS
+    sched.update(out, model.run(out))
+    _drive(sched, model)
+    # without prefix caching nothing is deferred
+    sched, kv, model = _make(budget=64, prefix=False)
+    for r in (_req("a", shared + [1, 2]), _req("b", shared + [3])):
+        sched.add(r)
+    assert len(sched.schedule().scheduled) == 2
+
+
 def test_waiting_is_fifo():
     sched, kv, model = _make(budget=8, max_seqs=1)
     order = []
