@@ -215,7 +215,10 @@ class Engine:
         n_tokens = req.num_prompt_tokens if req is not None else len(ids) * self.cfg.cache.block_size
         n_blocks = -(-n_tokens // self.cfg.cache.block_size)
         idx = torch.tensor(ids[:n_blocks], dtype=torch.long, device=self.device)
-        layers = [kv.index_select(1, idx).cpu().contiguous() for kv in self.runner.kv_caches]
+        # NOTE: index ops lack fp8 kernels on CPU; move raw bytes and view back
+        dt = self.runner.kv_dtype
+        layers = [kv.view(torch.uint8).index_select(1, idx).cpu().contiguous().view(dt)
+                  for kv in self.runner.kv_caches]
         sc = self.runner.kv_scales
         return KVBlocks(self.cfg.cache.block_size, n_tokens, DTYPE_NAMES[self.runner.kv_dtype], layers,
                         sc.k.tolist() if sc else None, sc.v.tolist() if sc else None)
@@ -232,7 +235,8 @@ class Engine:
             raise ValueError(f"{blocks.num_blocks} blocks sent, {len(ids)} reserved")
         idx = torch.tensor(ids[:blocks.num_blocks], dtype=torch.long, device=self.device)
         for i, t in enumerate(blocks.layers):
-            self.runner.kv_caches[first_layer + i].index_copy_(1, idx, t.to(self.device))
+            dst = self.runner.kv_caches[first_layer + i].view(torch.uint8)
+            dst.index_copy_(1, idx, t.to(self.device).view(torch.uint8))
         sc = self.runner.kv_scales
         if sc is not None and blocks.k_scales is not None:
             sc.k.copy_(torch.tensor(blocks.k_scales))

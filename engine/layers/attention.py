@@ -99,6 +99,10 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     if kv_cache.dtype == torch.float8_e4m3fn:
         k = (k.float() / k_scale).clamp(-FP8_MAX, FP8_MAX)
         v = (v.float() / v_scale).clamp(-FP8_MAX, FP8_MAX)
+        # NOTE: index_copy_ has no fp8 kernel on CPU; copy the raw bytes instead
+        flat[0].view(torch.uint8).index_copy_(0, slots, k.to(kv_cache.dtype).view(torch.uint8))
+        flat[1].view(torch.uint8).index_copy_(0, slots, v.to(kv_cache.dtype).view(torch.uint8))
+        return
     flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
 
@@ -109,8 +113,13 @@ def gather_kv_torch(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
     bs = kv_cache.shape[2]
     nblk = (seq_len + bs - 1) // bs
     blocks = block_table[:nblk].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        raw = kv_cache.view(torch.uint8)
+        k = raw[0, blocks].flatten(0, 1)[:seq_len].view(torch.float8_e4m3fn)
+        v = raw[1, blocks].flatten(0, 1)[:seq_len].view(torch.float8_e4m3fn)
+    else:
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
     if kv_cache.dtype == torch.float8_e4m3fn:
         return (k.float() * k_scale).to(dtype), (v.float() * v_scale).to(dtype)
     return k.to(dtype), v.to(dtype)

@@ -58,12 +58,21 @@ def test_prefill_export_import_decode_equals_colocated(kv_dtype):
     assert not pre.requests and not dec.requests
 
 
-def test_fp8_kv_close_to_fp32_and_smaller():
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+def _last_logits(eng, prompt):
+    from engine.runner import StepInput
+    r = eng.runner
+    rows = [StepInput("x", prompt, 0, list(range(-(-len(prompt) // 16))), True)]
+    ids, pos, meta, _ = r.build_metadata(rows)
+    with torch.inference_mode():
+        return r.model.compute_logits(r.model(ids, pos, r.kv_caches, meta, r.kv_scales)[-1:])[0]
+
+
+def test_fp8_kv_close_to_full_precision_and_smaller():
     full, fp8 = _engine("auto"), _engine("fp8_e4m3")
     assert fp8.runner.bytes_per_block() * 4 == full.runner.bytes_per_block()  # fp32 -> fp8
-    a = _run_all(full, PROMPTS, params)
-    b = _run_all(fp8, PROMPTS, params)
-    agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(map(len, a))
-    assert agree >= 0.8, agree
     assert fp8.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    for p in PROMPTS:
+        a, b = _last_logits(full, p), _last_logits(fp8, p)
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+        # measured ~0.999 on the tiny random model; fp8 e4m3 keeps 3 mantissa bits
+        assert cos > 0.99, cos
