@@ -20,10 +20,10 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str | None:
     # fp32 inputs: exact fp32 products (tf32 would miss the reference tolerances);
-    # bf16/fp16 ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # bf16/fp16/fp8 operands: None = Triton's default (the setting only concerns fp32)
+    return "ieee" if dtype == torch.float32 else None
 
 
 def interpreting() -> bool:

@@ -4,7 +4,8 @@ Stage 1 (_decode_split_kernel), grid (num_seqs, num_kv_heads, num_splits): each 
 ALL query heads of one KV head group (GQA) so every K/V byte is read once, and one contiguous
 slice of the sequence's context. It writes a normalised partial output and its log-sum-exp
 (base 2). Stage 2 (_decode_reduce_kernel), grid (num_seqs, num_heads), merges the splits.
-With num_splits == 1 stage 1 writes the final output directly.
+With num_splits == 1 stage 1 writes the final output directly. num_splits is a runtime
+argument (only ==1 vs >1 compiles differently), so tuning it costs no recompiles.
 
 CUDA-graph safety: no host reads of device data; the grid depends only on tensor shapes
 (num_splits is chosen from block_tables.shape, not from seq_lens values).
@@ -23,13 +24,13 @@ from engine.kernels.common import dot_precision, upcast_dots, num_sms
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-                         out_ptr, part_o_ptr, part_lse_ptr, sm_scale,
+                         out_ptr, part_o_ptr, part_lse_ptr, sm_scale, num_splits,
                          stride_qt, stride_qh, stride_c_kv, stride_c_slot, stride_c_h, stride_bt,
                          stride_ot, stride_oh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -38,7 +39,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
 
     # this split's context slice: whole BLOCK_N tiles, [start, end)
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -84,32 +85,31 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         acc = acc * tl.load(v_scale_ptr)
     has = l_i > 0.0  # false for an empty split / empty sequence
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if DIRECT:  # num_splits == 1: no reduce pass
         tl.store(out_ptr + s.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        # partial buffers: o [S, Hq, NUM_SPLITS, D_PAD] fp32, lse [S, Hq, NUM_SPLITS] fp32
-        row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        # partial buffers: o [S, Hq, num_splits, D_PAD] fp32, lse [S, Hq, num_splits] fp32
+        row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
-def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-                          D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                          D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = s.to(tl.int64) * tl.num_programs(1) + h
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)  # 0 for empty splits
-    o = tl.load(part_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_PAD + offs_d[None, :],
+    o = tl.load(part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :],
                 mask=s_mask[:, None], other=0.0)
     tot = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
@@ -162,15 +162,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     ks = k_scale if is_fp8 else seq_lens
     vs = v_scale if is_fp8 else seq_lens
     _decode_split_kernel[(S, Hkv, num_splits)](
-        q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale),
+        q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, IS_FP8=is_fp8, PREC=dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
+        DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype),
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), D=D, D_PAD=D_PAD,
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
     return out

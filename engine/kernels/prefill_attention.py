@@ -25,8 +25,10 @@ from engine.kernels.common import dot_precision, upcast_dots
 @triton.jit
 def _find_seq(qsl_ptr, b, num_seqs, BLOCK_Q: tl.constexpr):
     # last i in [0, num_seqs) with qsl[i] // BLOCK_Q + i <= b
-    lo = 0
-    hi = num_seqs
+    # NOTE: typed so the loop-carried values stay int32 tensors even when num_seqs arrives
+    # as a specialised constant
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         val = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
@@ -69,7 +71,7 @@ def _attn_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, qpos, n_lo, n_hi, seq_
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
                     out_ptr, sm_scale, num_seqs,
                     stride_qt, stride_qh, stride_c_kv, stride_c_slot, stride_c_h, stride_bt,
