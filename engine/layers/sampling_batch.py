@@ -5,6 +5,7 @@ when no row needs them, so the common all-greedy / plain-temperature cases stay 
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,28 @@ def mix_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def _ids(tokens: list[int], V: int) -> torch.Tensor:
-    t = torch.tensor(tokens, dtype=torch.long)
-    return t.masked_fill_((t < 0) | (t >= V), V)  # out-of-vocab ids land in the padding column
+def _scatter_rows(rows: list[list[int]], P: int, V: int, dev: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[P, V] view: float -> occurrence counts per row, bool -> presence per row.
+    One flat host->device copy (array.array beats per-row torch.tensor by ~3x)."""
+    flat = array.array("q")
+    lens = array.array("q")
+    for r in rows:
+        flat.extend(r)
+        lens.append(len(r))
+    out = torch.zeros((P, V + 1), dtype=dtype, device=dev)
+    if len(flat):
+        tok = torch.frombuffer(flat, dtype=torch.int64).to(dev)
+        ln = torch.frombuffer(lens, dtype=torch.int64).to(dev)
+        tok = tok.masked_fill((tok < 0) | (tok >= V), V)
+        row = torch.repeat_interleave(torch.arange(P, device=dev), ln, output_size=len(flat))
+        idx = row * (V + 1) + tok
+        flat_out = out.view(-1)
+        if dtype == torch.bool:
+            flat_out[idx] = True
+        else:
+            flat_out.index_add_(0, idx, torch.ones(len(flat), dtype=dtype, device=dev))
+    return out[:, :V]
 
 
 @dataclass
@@ -34,8 +54,8 @@ class SamplingBatch:
     vocab_size: int
     device: torch.device
     all_greedy: bool
-    greedy: torch.Tensor  # [N] bool
-    temperature: torch.Tensor  # [N] float32, 1.0 on greedy rows (never divides by 0)
+    greedy: torch.Tensor | None  # [N] bool; None when all_greedy
+    temperature: torch.Tensor | None  # [N] float32, 1.0 on greedy rows; None when all_greedy
     top_k: torch.Tensor | None  # [N] long in [1, V]; None when no row uses top-k
     top_p: torch.Tensor | None  # [N] float32; None when no row uses top-p
     min_p: torch.Tensor | None  # [N] float32; None when no row uses min-p
@@ -69,6 +89,7 @@ class SamplingBatch:
             return torch.tensor(vals, dtype=torch.float32, device=dev)
 
         greedy = [p.temperature == 0.0 for p in ps]
+        all_greedy = all(greedy)
         top_k = top_p = min_p = None
         sampling = [p for p, g in zip(ps, greedy) if not g]
         if any(p.top_k > 0 and p.top_k < V for p in sampling):
@@ -89,24 +110,11 @@ class SamplingBatch:
             rep = f32([ps[i].repetition_penalty for i in pen])
             pres = f32([ps[i].presence_penalty for i in pen])
             freq = f32([ps[i].frequency_penalty for i in pen])
-            # scatter into V + 1 columns: column V absorbs padding, then is dropped
             outs = [reqs[i].output_token_ids for i in pen]
             prompts = [reqs[i].prompt_token_ids for i in pen]
-            lo = max(1, max(len(o) for o in outs))
-            lp = max(1, max(len(t) for t in prompts))
-            out_ids = torch.full((P, lo), V, dtype=torch.long)
-            prm_ids = torch.full((P, lp), V, dtype=torch.long)
-            for j, (o, t) in enumerate(zip(outs, prompts)):
-                if o:
-                    out_ids[j, :len(o)] = _ids(o, V)
-                prm_ids[j, :len(t)] = _ids(t, V)
-            out_ids, prm_ids = out_ids.to(dev), prm_ids.to(dev)
-            counts = torch.zeros((P, V + 1), dtype=torch.float32, device=dev)
-            counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-            counts = counts[:, :V].contiguous()
-            seen = torch.zeros((P, V + 1), dtype=torch.bool, device=dev)
-            seen.scatter_(1, prm_ids, True)
-            seen = seen[:, :V] | (counts > 0)
+            # [P, V + 1] scratch: column V absorbs out-of-vocab ids, then is sliced off (a view)
+            counts = _scatter_rows(outs, P, V, dev, torch.float32)
+            seen = _scatter_rows(prompts, P, V, dev, torch.bool) | (counts > 0)
 
         ban_r, ban_t = [], []
         for i, (r, p) in enumerate(zip(reqs, ps)):
@@ -123,8 +131,10 @@ class SamplingBatch:
 
         return SamplingBatch(
             request_ids=[r.request_id for r in reqs], vocab_size=V, device=dev,
-            all_greedy=all(greedy), greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            temperature=f32([1.0 if g else p.temperature for p, g in zip(ps, greedy)]),
+            all_greedy=all_greedy,
+            greedy=None if all_greedy else torch.tensor(greedy, dtype=torch.bool, device=dev),
+            temperature=None if all_greedy else f32([1.0 if g else p.temperature
+                                                     for p, g in zip(ps, greedy)]),
             top_k=top_k, top_p=top_p, min_p=min_p, seeded=seeded,
             pen_rows=pen_rows, repetition_penalty=rep, presence_penalty=pres,
             frequency_penalty=freq, seen_mask=seen, output_counts=counts,
