@@ -1,0 +1,221 @@
+"""Delay-aware admission control: admit, queue until a deadline, or reject early.
+
+Prediction (per candidate replica pair, see `Predictor`):
+    TTFT = (queued prefill tokens on the replica + tokens the gateway already sent there
+            + this prompt) / prefill rate  +  transfer estimate  +  fixed overhead
+    TPOT = decode step time at the replica's batch size + 1, inflated as KV usage nears full
+Rates are EWMAs fed by Load RPCs (tokens_per_s, mean_step_ms) and by the gateway's own
+observations of finished prefills / decode token gaps.
+
+Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
+at all means "admit whenever there is room"):
+    predicted <= SLO                            -> admit
+    even an idle replica would miss the SLO     -> reject now (RESOURCE_EXHAUSTED, reason)
+    otherwise (busy now, could fit later)       -> queue; re-decided on every load change, in
+                                                   priority order, until the queue deadline
+                                                   (arrival + SLO - idle TTFT), then reject.
+Decode KV full (no free blocks) always queues: no room means no prefill.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadView:
+    """What the gateway knows about one replica (built from LoadStats + own bookkeeping)."""
+    queued_tokens: int = 0  # prefill: prompt tokens waiting; decode: reserved tokens
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int | None = None
+    mean_step_ms: float | None = None
+    tokens_per_s: float | None = None
+    inflight_tokens: int = 0  # tokens the gateway has sent there and not seen finish
+    inflight_requests: int = 0
+
+
+class Ewma:
+    def __init__(self, initial: float | None, alpha: float = 0.3):
+        self.value = initial
+        self.alpha = alpha
+        self.samples = 0
+
+    def update(self, x: float) -> float:
+        if x is None or x != x or x <= 0:  # ignore NaN / non-positive measurements
+            return self.value
+        self.value = x if self.value is None or self.samples == 0 else \
+            self.alpha * x + (1 - self.alpha) * self.value
+        self.samples += 1
+        return self.value
+
+
+@dataclass
+class AdmissionConfig:
+    default_ttft_ms: float | None = None  # applied when a request gives none
+    default_tpot_ms: float | None = None
+    prefill_tokens_per_s: float = 2000.0  # prior until measured
+    decode_step_ms: float = 20.0  # prior until measured (batch of 1)
+    transfer_ms_per_token: float = 0.01  # prior until measured
+    overhead_ms: float = 1.0
+    max_queue_ms: float = 30000.0  # a request never waits longer than this in admission
+    kv_high_watermark: float = 0.95
+    batch_slowdown: float = 0.05  # per extra running sequence, fraction of the base step time
+
+    def __post_init__(self):
+        for k in ("prefill_tokens_per_s", "decode_step_ms"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"{k} must be > 0")
+        for k in ("default_ttft_ms", "default_tpot_ms"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise ValueError(f"{k} must be > 0 when set")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_ms: float
+    tpot_ms: float
+    idle_ttft_ms: float  # what an idle prefill replica would give (the best case)
+    idle_tpot_ms: float
+    decode_full: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # "admit" | "queue" | "reject"
+    reason: str
+    prediction: Prediction | None = None
+    retry_after_s: float = 0.0
+
+
+class Predictor:
+    """Measured rates (shared by all replicas of a role; a replica's own tokens_per_s wins)."""
+
+    def __init__(self, cfg: AdmissionConfig):
+        self.cfg = cfg
+        self.prefill_rate = Ewma(cfg.prefill_tokens_per_s)  # prompt tokens / s
+        self.decode_step = Ewma(cfg.decode_step_ms)  # ms per step at small batch
+        self.transfer_per_token = Ewma(cfg.transfer_ms_per_token)
+
+    # ---- observations
+    def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
+        if num_tokens > 0 and prefill_ms > 0:
+            self.prefill_rate.update(num_tokens / (prefill_ms / 1e3))
+        if transfer_ms is not None and num_tokens > 0:
+            self.transfer_per_token.update(transfer_ms / num_tokens)
+
+    def observe_decode_gap(self, gap_ms: float, batch: int) -> None:
+        """A token gap measured at the gateway, normalised back to a batch of one."""
+        self.decode_step.update(gap_ms / (1 + self.cfg.batch_slowdown * max(batch - 1, 0)))
+
+    # ---- predictions
+    def prefill_ms(self, prefill: LoadView, num_tokens: int) -> tuple[float, float]:
+        """-> (predicted ms until this prompt's first token, same on an idle replica)."""
+        rate = prefill.tokens_per_s if prefill.tokens_per_s and prefill.tokens_per_s > 0 \
+            else self.prefill_rate.value
+        transfer = self.transfer_per_token.value * num_tokens
+        idle = num_tokens / rate * 1e3 + transfer + self.cfg.overhead_ms
+        ahead = prefill.queued_tokens + prefill.inflight_tokens
+        return ahead / rate * 1e3 + idle, idle
+
+    def tpot_ms(self, decode: LoadView) -> tuple[float, float]:
+        base = self.decode_step.value
+        batch = max(decode.running, decode.inflight_requests) + 1
+        tpot = base * (1 + self.cfg.batch_slowdown * (batch - 1))
+        # near-full KV means preemption / waiting: inflate steeply above the watermark
+        if decode.kv_usage > self.cfg.kv_high_watermark:
+            tpot *= 1 + 10 * (decode.kv_usage - self.cfg.kv_high_watermark)
+        return tpot, base
+
+    def predict(self, prefill: LoadView, decode: LoadView, num_tokens: int) -> Prediction:
+        ttft, idle_ttft = self.prefill_ms(prefill, num_tokens)
+        tpot, idle_tpot = self.tpot_ms(decode)
+        full = decode.num_free_blocks == 0 or decode.kv_usage >= 0.999
+        return Prediction(ttft, tpot, idle_ttft, idle_tpot, full)
+
+
+def decide(pred: Prediction, ttft_slo_ms: float | None, tpot_slo_ms: float | None,
+           waited_ms: float, max_queue_ms: float) -> Decision:
+    """Pure decision function (unit-tested alone)."""
+    if ttft_slo_ms is not None and pred.idle_ttft_ms > ttft_slo_ms:
+        return Decision("reject", f"predicted TTFT {pred.idle_ttft_ms:.1f} ms even on an idle "
+                        f"replica exceeds the requested ttft_ms={ttft_slo_ms:g}", pred,
+                        retry_after_s=0.0)
+    if tpot_slo_ms is not None and pred.idle_tpot_ms > tpot_slo_ms:
+        return Decision("reject", f"predicted TPOT {pred.idle_tpot_ms:.1f} ms even on an idle "
+                        f"replica exceeds the requested tpot_ms={tpot_slo_ms:g}", pred)
+    # how long queueing may last before the TTFT SLO cannot be met any more
+    budget = max_queue_ms
+    if ttft_slo_ms is not None:
+        budget = min(budget, ttft_slo_ms - pred.idle_ttft_ms)
+    retry = max(pred.ttft_ms - pred.idle_ttft_ms, 100.0) / 1e3
+    if pred.decode_full:
+        if waited_ms >= budget:
+            return Decision("reject", f"decode KV cache full for {waited_ms:.0f} ms (queue budget "
+                            f"{budget:.0f} ms)", pred, retry_after_s=retry)
+        return Decision("queue", "decode KV cache full", pred, retry_after_s=retry)
+    late_ttft = ttft_slo_ms is not None and pred.ttft_ms > ttft_slo_ms - waited_ms
+    late_tpot = tpot_slo_ms is not None and pred.tpot_ms > tpot_slo_ms
+    if not late_ttft and not late_tpot:
+        return Decision("admit", "predicted within SLO", pred)
+    what = (f"predicted TTFT {pred.ttft_ms:.1f} ms > requested ttft_ms={ttft_slo_ms:g} - waited "
+            f"{waited_ms:.0f} ms" if late_ttft else
+            f"predicted TPOT {pred.tpot_ms:.1f} ms > requested tpot_ms={tpot_slo_ms:g}")
+    if waited_ms >= budget:
+        return Decision("reject", what + f" (queued {waited_ms:.0f} ms, no more time left)", pred,
+                        retry_after_s=retry)
+    return Decision("queue", what, pred, retry_after_s=retry)
+
+
+@dataclass(order=True)
+class _Waiter:
+    sort_key: tuple
+    event: asyncio.Event = field(compare=False)
+
+
+class AdmissionQueue:
+    """Requests waiting for admission, re-decided on `notify()` in priority order
+    (higher priority first, then arrival). A lower-priority request never overtakes a queued
+    higher-priority one that is still waiting."""
+
+    def __init__(self):
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def notify(self) -> None:
+        if self._heap:
+            self._heap[0].event.set()
+
+    async def run(self, decide_fn, priority: int, poll_s: float = 0.05) -> Decision:
+        """Call decide_fn(waited_ms) until it says admit/reject (it is called at least once)."""
+        t0 = time.monotonic()
+        d = decide_fn(0.0)
+        ahead = bool(self._heap) and -self._heap[0].sort_key[0] >= priority
+        if d.kind == "reject" or (d.kind == "admit" and not ahead):
+            return d
+        w = _Waiter((-priority, next(self._seq)), asyncio.Event())
+        heapq.heappush(self._heap, w)
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(w.event.wait(), poll_s)
+                except asyncio.TimeoutError:
+                    pass
+                w.event.clear()
+                if self._heap[0] is not w:
+                    continue  # someone more important decides first
+                d = decide_fn((time.monotonic() - t0) * 1e3)
+                if d.kind != "queue":
+                    return d
+        finally:
+            self._heap.remove(w)
+            heapq.heapify(self._heap)
+            self.notify()  # let the next one re-decide

@@ -1,0 +1,90 @@
+"""GatewayConfig: one frozen config built once in main() from flags (SPLITSERVE_* env defaults)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from common.envs import env_float, env_int, env_str
+from gateway.admission import AdmissionConfig
+
+DEFAULT_PREFILL = "127.0.0.1:50061"
+DEFAULT_DECODE = "127.0.0.1:50071"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str = "default"  # only the tokenizer / shape is loaded here, never the weights
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000  # -1 disables the REST bridge
+    prefill: tuple[str, ...] = (DEFAULT_PREFILL,)
+    decode: tuple[str, ...] = (DEFAULT_DECODE,)
+    poll_interval_s: float = 0.5
+    default_max_tokens: int = 16
+    max_body_bytes: int = 1 << 20
+    transfer_timeout_ms: int = 30000
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    log_level: str | None = None
+    ready_file: str | None = None
+
+    def __post_init__(self):
+        if not self.prefill or not self.decode:
+            raise ValueError("need at least one prefill and one decode address")
+        for a in (*self.prefill, *self.decode):
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"replica address {a!r} must be host:port")
+        if self.poll_interval_s <= 0:
+            raise ValueError("poll_interval_s must be > 0")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+
+
+def _addrs(v: list[str] | None, default: str) -> tuple[str, ...]:
+    out = []
+    for item in v or [default]:
+        out += [x.strip() for x in item.split(",") if x.strip()]
+    return tuple(out)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=env_str("SPLITSERVE_MODEL", "default"),
+                   help="same model spec as the services (only its tokenizer is loaded here)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=env_int("SPLITSERVE_MAX_MODEL_LEN"))
+    p.add_argument("--host", default=env_str("SPLITSERVE_HOST", "127.0.0.1"))
+    p.add_argument("--port", "--grpc-port", dest="grpc_port", type=int, default=50051,
+                   help="public gRPC port (0 picks a free one)")
+    p.add_argument("--http-port", type=int, default=8000, help="REST port (0 free one, -1 off)")
+    p.add_argument("--prefill", action="append", default=None,
+                   help=f"prefill replica host:port (repeat or comma-separate; default {DEFAULT_PREFILL})")
+    p.add_argument("--decode", action="append", default=None,
+                   help=f"decode replica host:port (repeat or comma-separate; default {DEFAULT_DECODE})")
+    p.add_argument("--poll-interval", type=float, default=0.5, help="Load poll period, seconds")
+    p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--default-ttft-ms", type=float, default=env_float("SPLITSERVE_DEFAULT_TTFT_MS"),
+                   help="TTFT SLO for requests that give none (default: none)")
+    p.add_argument("--default-tpot-ms", type=float, default=env_float("SPLITSERVE_DEFAULT_TPOT_MS"))
+    p.add_argument("--max-queue-ms", type=float, default=30000.0,
+                   help="longest a request may wait in admission")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=2000.0,
+                   help="prefill rate prior until measured")
+    p.add_argument("--log-level", default=None)
+    p.add_argument("--ready-file", default=None,
+                   help="write 'grpc_port http_port' here once serving")
+
+
+def config_from_args(a: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        model=a.model, served_model_name=a.served_model_name, max_model_len=a.max_model_len,
+        host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
+        prefill=_addrs(a.prefill, DEFAULT_PREFILL), decode=_addrs(a.decode, DEFAULT_DECODE),
+        poll_interval_s=a.poll_interval, default_max_tokens=a.default_max_tokens,
+        max_body_bytes=a.max_body_bytes,
+        admission=AdmissionConfig(default_ttft_ms=a.default_ttft_ms, default_tpot_ms=a.default_tpot_ms,
+                                  max_queue_ms=a.max_queue_ms,
+                                  prefill_tokens_per_s=a.prefill_tokens_per_s),
+        log_level=a.log_level, ready_file=a.ready_file)

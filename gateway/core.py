@@ -1,0 +1,362 @@
+"""GatewayCore: the one internal path both fronts (gRPC Generate, REST) go through.
+
+Per request:  validate -> admission (admit / queue / reject) -> pick decode replica ->
+decode.Reserve (ticket) -> pick prefill replica -> prefill.Prefill(ticket) (first token) ->
+decode.Decode stream -> chunks to the client (text by incremental detokenizing + stop strings).
+
+Failure handling (invariant: nothing stays allocated downstream once generate() exits):
+- prefill UNAVAILABLE -> release the reservation, reserve again, try the next prefill replica;
+  none left -> UNAVAILABLE naming the replicas and the last error;
+- decode stream error -> the client's stream ends with that status (UNAVAILABLE when it died);
+- client cancel / generator closed -> the in-flight RPC is cancelled (which aborts downstream)
+  and Release/Abort are sent best-effort in the background.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from common import telemetry
+from common.metrics import ServiceMetrics
+from common.telemetry import GenAI
+from gateway.admission import AdmissionConfig, AdmissionQueue, Decision, Predictor, decide
+from gateway.convert import request_params_pb
+from gateway.routing import ReplicaPool, order_decode, order_prefill
+from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid
+
+log = logging.getLogger("splitserve.gateway.core")
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_END = object()  # end of a request's chunk queue
+
+
+class GatewayCore:
+    def __init__(self, *, model_name: str, tokenizer, max_model_len: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], prefill: ReplicaPool, decode: ReplicaPool,
+                 admission: AdmissionConfig, metrics: ServiceMetrics, info: dict | None = None,
+                 transfer_timeout_ms: int = 30000):
+        self.model_name = model_name
+        self.tokenizer = tokenizer  # engine.tokenizer.Tokenizer or None (token ids only)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.prefill, self.decode = prefill, decode
+        self.admission_cfg = admission
+        self.predictor = Predictor(admission)
+        self.queue = AdmissionQueue()
+        self.metrics = metrics
+        self.info = info or {}
+        self.transfer_timeout_ms = transfer_timeout_ms
+        self._bg: set[asyncio.Task] = set()
+        self.num_active = 0
+
+    # ---- helpers ------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return "req-" + uuid.uuid4().hex[:16]
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise invalid("prompt is empty (0 tokens)", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise invalid(f"prompt is too long: {len(ids)} tokens, the model's context is "
+                          f"{self.max_model_len} (prompt must leave room for >= 1 new token)",
+                          param="prompt")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise invalid(f"token id {bad} is out of range [0, {self.vocab_size})", param="prompt")
+
+    def _background(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _quiet(self, coro, what: str) -> None:
+        try:
+            await asyncio.wait_for(coro, 5.0)
+        except Exception as e:  # noqa: BLE001 - best-effort cleanup
+            log.debug("%s failed: %s", what, e)
+
+    def _release(self, replica, request_id: str, transfer_id: str, reason: str) -> None:
+        from protos import decode_pb2
+
+        req = decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id, reason=reason)
+        self._background(self._quiet(replica.stub.Release(req, timeout=5.0), "Release"))
+
+    def _abort(self, replica, request_id: str, transfer_id: str, reason: str) -> None:
+        from protos import decode_pb2
+
+        req = decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id, reason=reason)
+        self._background(self._quiet(replica.stub.Abort(req, timeout=5.0), "Abort"))
+
+    # ---- admission ----------------------------------------------------------------------
+    def _decide(self, req: GenRequest, waited_ms: float) -> Decision:
+        n = len(req.prompt_token_ids)
+        p = order_prefill(self.prefill.replicas, self.predictor, n)[0]
+        d = order_decode(self.decode.replicas, self.predictor)[0]
+        pred = self.predictor.predict(p.load, d.load, n)
+        ttft = req.ttft_slo_ms if req.ttft_slo_ms is not None else self.admission_cfg.default_ttft_ms
+        tpot = req.tpot_slo_ms if req.tpot_slo_ms is not None else self.admission_cfg.default_tpot_ms
+        return decide(pred, ttft, tpot, waited_ms, self.admission_cfg.max_queue_ms)
+
+    async def admit(self, req: GenRequest) -> Decision:
+        with telemetry.span("gateway.admission") as sp:
+            queued = False
+
+            def fn(waited_ms: float) -> Decision:
+                nonlocal queued
+                d = self._decide(req, waited_ms)
+                if d.kind == "queue" and not queued:
+                    queued = True
+                    self.metrics.admission.labels(decision="queue").inc()
+                    self.metrics.waiting.inc()
+                return d
+
+            try:
+                d = await self.queue.run(fn, req.priority)
+            finally:
+                if queued:
+                    self.metrics.waiting.dec()
+            self.metrics.admission.labels(decision=d.kind).inc()
+            if d.prediction is not None:
+                self.metrics.predicted_ttft.observe(d.prediction.ttft_ms / 1e3)
+                telemetry.set_attrs(sp, {"splitserve.predicted_ttft_ms": d.prediction.ttft_ms,
+                                         "splitserve.predicted_tpot_ms": d.prediction.tpot_ms})
+            sp.set_attribute("splitserve.admission.decision", d.kind)
+            sp.set_attribute("splitserve.admission.queued", queued)
+            if d.kind == "reject":
+                raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"admission rejected request {req.request_id}: {d.reason}",
+                                   retry_after_s=max(d.retry_after_s, 1.0))
+            return d
+
+    # ---- downstream calls ---------------------------------------------------------------
+    async def _reserve(self, req: GenRequest):
+        """-> (decode replica, ticket). Tries decode replicas in routing order."""
+        from protos import decode_pb2
+
+        last = None
+        for r in order_decode(self.decode.replicas, self.predictor):
+            with telemetry.span("decode.Reserve", kind=telemetry.SpanKind.CLIENT,
+                                attributes={"splitserve.replica": r.address}):
+                try:
+                    resp = await r.stub.Reserve(decode_pb2.ReserveRequest(
+                        request_id=req.request_id, num_prompt_tokens=len(req.prompt_token_ids),
+                        max_tokens=req.params.max_tokens), timeout=10.0,
+                        metadata=telemetry.inject_metadata())
+                    return r, resp.ticket
+                except grpc.aio.AioRpcError as e:
+                    last = e
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        r.mark_down(f"Reserve: {e.details()}")
+                        continue
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        continue
+                    raise GatewayError(e.code(), f"decode Reserve failed: {e.details()}") from None
+        code = last.code() if last is not None else grpc.StatusCode.UNAVAILABLE
+        retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        raise GatewayError(code, f"no decode replica could reserve KV for {len(req.prompt_token_ids)}"
+                           f" tokens ({', '.join(r.address for r in self.decode.replicas)}): "
+                           f"{last.details() if last is not None else 'none configured'}",
+                           retry_after_s=retry)
+
+    async def _prefill(self, req: GenRequest):
+        """-> (decode replica, ticket, PrefillResponse). Retries other prefill replicas."""
+        from protos import prefill_pb2
+
+        params_pb = request_params_pb(req.params)
+        tried, last = [], None
+        n = len(req.prompt_token_ids)
+        for p in order_prefill(self.prefill.replicas, self.predictor, n):
+            dec, ticket = await self._reserve(req)
+            tried.append(p.address)
+            p.add_inflight(n)
+            try:
+                with telemetry.span("prefill.Prefill", kind=telemetry.SpanKind.CLIENT,
+                                    attributes={"splitserve.replica": p.address}):
+                    resp = await p.stub.Prefill(prefill_pb2.PrefillRequest(
+                        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                        params=params_pb, ticket=ticket), metadata=telemetry.inject_metadata())
+                return dec, ticket, resp
+            except grpc.aio.AioRpcError as e:
+                self._release(dec, req.request_id, ticket.transfer_id, f"prefill failed: {e.code().name}")
+                last = e
+                if e.code() in _RETRYABLE:
+                    p.mark_down(f"Prefill: {e.details()}")
+                    continue
+                raise GatewayError(e.code(), f"prefill failed: {e.details()}") from None
+            except BaseException:
+                self._release(dec, req.request_id, ticket.transfer_id, "cancelled during prefill")
+                raise
+            finally:
+                p.done_inflight(n)
+                self.queue.notify()
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                           f"no prefill replica available (tried {', '.join(tried)}): "
+                           f"{last.details() if last is not None else 'none'}")
+
+    # ---- the one path -------------------------------------------------------------------
+    async def generate(self, req: GenRequest, metadata=None) -> AsyncIterator[GenChunk]:
+        """Async iterator of GenChunk; raises GatewayError (status + message).
+        metadata: incoming gRPC metadata / HTTP headers carrying the client's trace context.
+
+        NOTE: the pipeline runs in its own task feeding a queue, so its spans are attached and
+        detached in one context whatever task consumes this iterator; closing the iterator
+        (client gone) cancels that task, which cancels the downstream RPCs."""
+        self.check_prompt(req.prompt_token_ids)
+        q: asyncio.Queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._run(req, metadata, q))
+        try:
+            while True:
+                item = await q.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _run(self, req: GenRequest, metadata, q: asyncio.Queue) -> None:
+        ctx = telemetry.extract_context(metadata) if metadata is not None else None
+        outcome = "error"
+        self.num_active += 1
+        self.metrics.running.inc()
+        try:
+            with telemetry.span("gateway.generate", kind=telemetry.SpanKind.SERVER, context=ctx,
+                                attributes={**telemetry.request_attributes(
+                                    self.model_name, req.params, req.operation),
+                                    "splitserve.request_id": req.request_id}) as sp:
+                async for chunk in self._generate(req, sp):
+                    if chunk.finish_reason:
+                        outcome = chunk.finish_reason
+                    q.put_nowait(chunk)
+        except asyncio.CancelledError:
+            outcome = "abort"
+            raise
+        except GatewayError as e:
+            outcome = "rejected" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error"
+            q.put_nowait(e)
+        except Exception as e:  # noqa: BLE001 - surfaced to the client as INTERNAL
+            log.exception("request %s failed", req.request_id)
+            q.put_nowait(GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
+        finally:
+            q.put_nowait(_END)
+            self.num_active -= 1
+            self.metrics.running.dec()
+            self.metrics.requests.labels(outcome=outcome).inc()
+            self.queue.notify()
+
+    async def _generate(self, req: GenRequest, sp) -> AsyncIterator[GenChunk]:
+        decision = await self.admit(req)
+        t_admitted = time.monotonic()
+        dec, ticket, pre = await self._prefill(req)
+        pt = pre.timings
+        self.predictor.observe_prefill(len(req.prompt_token_ids) - pre.num_cached_tokens,
+                                       pt.prefill_ms, pt.transfer_ms)
+        params = req.params
+        detok = (self.tokenizer.detokenizer(req.prompt_token_ids, params)
+                 if self.tokenizer is not None and req.want_text else None)
+        n_prompt, n_gen = len(req.prompt_token_ids), 0
+        t_first = time.monotonic()
+        ttft_ms = (t_first - req.arrival) * 1e3
+        self.metrics.ttft.observe(ttft_ms / 1e3)
+        sp.set_attribute(GenAI.TTFT, ttft_ms / 1e3)
+        timings = {"ttft_ms": ttft_ms, "queue_ms": (t_admitted - req.arrival) * 1e3 + pt.queue_ms,
+                   "prefill_ms": pt.prefill_ms, "transfer_ms": pt.transfer_ms}
+
+        def finish_chunk(ids, text, lps, reason, stop_reason="") -> GenChunk:
+            now = time.monotonic()
+            total_ms = (now - req.arrival) * 1e3
+            tpot = (now - t_first) / (n_gen - 1) if n_gen > 1 else None
+            self.metrics.e2e.observe(total_ms / 1e3)
+            self.metrics.prompt_tokens.inc(n_prompt)
+            self.metrics.generation_tokens.inc(n_gen)
+            telemetry.set_attrs(sp, telemetry.usage_attributes(
+                n_prompt, n_gen, cached_tokens=pre.num_cached_tokens, ttft_s=ttft_ms / 1e3,
+                tpot_s=tpot, e2e_s=total_ms / 1e3, finish_reason=reason))
+            return GenChunk(ids, text, lps, reason, stop_reason,
+                            usage={"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                                   "cached_tokens": pre.num_cached_tokens},
+                            timings={**timings, "total_ms": total_ms})
+
+        # ---- first token (sampled by prefill)
+        first = pre.first_token_id
+        n_gen = 1
+        text, stop = detok.step([first]) if detok else ("", None)
+        lps = [pre.first_logprob] if params.logprobs is not None and pre.HasField("first_logprob") else []
+        reason = None
+        if stop is not None:
+            reason = "stop"
+        elif first in params.stop_token_ids or (first in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif params.max_tokens <= 1 or n_prompt + 1 >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._release(dec, req.request_id, ticket.transfer_id, "finished at the first token")
+            if detok and stop is None:
+                text += detok.flush()
+            yield finish_chunk([first], text, lps, reason, stop or "")
+            return
+        yield GenChunk([first], text, lps, timings={"ttft_ms": ttft_ms})
+
+        # ---- the rest (decode stream)
+        from protos import decode_pb2
+
+        call = None
+        done = False
+        try:
+            with telemetry.span("decode.Decode", kind=telemetry.SpanKind.CLIENT,
+                                attributes={"splitserve.replica": dec.address}):
+                call = dec.stub.Decode(decode_pb2.DecodeRequest(
+                    request_id=req.request_id, transfer_id=ticket.transfer_id,
+                    prompt_token_ids=req.prompt_token_ids, first_token_id=first,
+                    params=request_params_pb(params), detokenize=False,
+                    transfer_timeout_ms=self.transfer_timeout_ms),
+                    metadata=telemetry.inject_metadata())
+                t_last = time.monotonic()
+                async for resp in call:
+                    ids = list(resp.token_ids)
+                    now = time.monotonic()
+                    if ids:
+                        gap = (now - t_last) / len(ids)
+                        for _ in ids:
+                            self.metrics.itl.observe(gap)
+                        self.predictor.observe_decode_gap(gap * 1e3, dec.load.running or 1)
+                        t_last = now
+                    n_gen += len(ids)
+                    text, stop = detok.step(ids) if detok else ("", None)
+                    lps = list(resp.logprobs) if params.logprobs is not None else []
+                    fr = FINISH_NAMES.get(resp.finish_reason)
+                    if stop is not None:  # the gateway's detokenizer saw a stop string first
+                        done = True
+                        yield finish_chunk(ids, text, lps, "stop", stop)
+                        return
+                    if fr is not None:
+                        done = True
+                        if detok:
+                            text += detok.flush()
+                        yield finish_chunk(ids, text, lps, fr, resp.stop_reason)
+                        return
+                    if ids or text:
+                        yield GenChunk(ids, text, lps)
+                done = True
+                # stream ended without a finish reason: the decode side gave up silently
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                   f"decode replica {dec.address} ended the stream without finishing")
+        except grpc.aio.AioRpcError as e:
+            done = True
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                dec.mark_down(f"Decode: {e.details()}")
+                raise GatewayError(e.code(), f"decode replica {dec.address} unavailable: "
+                                   f"{e.details()}") from None
+            raise GatewayError(e.code(), f"decode failed: {e.details()}") from None
+        finally:
+            if call is not None and not call.done():
+                call.cancel()  # NOTE: cancelling the stream aborts the request downstream
+            if not done:
+                self._abort(dec, req.request_id, ticket.transfer_id, "client went away")

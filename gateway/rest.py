@@ -1,0 +1,158 @@
+"""REST bridge (FastAPI): OpenAI-compatible /v1/completions, /v1/chat/completions (SSE stream
+or one JSON), /v1/models, /health, /metrics. A thin translation onto GatewayCore.generate.
+
+SSE framing: each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`.
+An error after the stream started is sent as one `data: {"error": ...}` event before [DONE]
+(the HTTP status is already 200 by then).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway import openai_api as oa
+from gateway.core import GatewayCore
+from gateway.types import GatewayError, invalid
+
+log = logging.getLogger("splitserve.gateway.rest")
+
+_ERR_TYPE = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+             503: "service_unavailable", 504: "timeout"}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
+
+
+def error_body(e: GatewayError) -> dict:
+    status = e.http_status
+    return {"error": {"message": e.message, "type": _ERR_TYPE.get(status, "server_error"),
+                      "param": e.param, "code": e.code.name.lower()}}
+
+
+def error_response(e: GatewayError) -> JSONResponse:
+    headers = {}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+    return JSONResponse(error_body(e), status_code=e.http_status, headers=headers)
+
+
+async def read_json(request: Request, max_body_bytes: int):
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > max_body_bytes:
+        raise invalid(f"request body is too large: {cl} bytes > limit {max_body_bytes}")
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > max_body_bytes:
+            raise invalid(f"request body is too large: > limit {max_body_bytes} bytes")
+    if not body:
+        raise invalid("request body is empty; expected a JSON object")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid(f"request body is not valid JSON: {e}") from None
+
+
+def build_app(core: GatewayCore, *, default_max_tokens: int = 16,
+              max_body_bytes: int = 1 << 20) -> FastAPI:
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
+    served = [core.model_name]
+
+    @app.exception_handler(GatewayError)
+    async def _gw_error(request: Request, e: GatewayError):
+        return error_response(e)
+
+    @app.get("/health")
+    async def health():
+        ok_p, ok_d = core.prefill.any_healthy(), core.decode.any_healthy()
+        body = {"status": "ok" if ok_p and ok_d else "degraded",
+                "prefill": [{"address": r.address, "healthy": r.healthy, "error": r.last_error}
+                            for r in core.prefill.replicas],
+                "decode": [{"address": r.address, "healthy": r.healthy, "error": r.last_error}
+                           for r in core.decode.replicas]}
+        return JSONResponse(body, status_code=200 if ok_p and ok_d else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        data, ctype = core.metrics.render()
+        return Response(data, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "splitserve",
+             "max_model_len": core.max_model_len} for m in served]}
+
+    async def handle(request: Request, kind: str):
+        body = await read_json(request, max_body_bytes)
+        parse = oa.parse_chat if kind == "chat" else oa.parse_completion
+        pr = parse(body, core, served, default_max_tokens)
+        headers = dict(request.headers)  # carries traceparent when the client sent one
+        rid = oa.new_id(kind)
+        model = core.model_name
+        agen = core.generate(pr.gen, metadata=headers)
+        if not pr.stream:
+            return await _collect(agen, pr, rid, model)
+        # pull the first chunk before answering so admission/validation errors get real statuses
+        try:
+            first = await agen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        return StreamingResponse(_stream(agen, first, pr, rid, model), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": pr.gen.request_id})
+
+    async def _collect(agen, pr, rid, model):
+        text, lps, finish, usage, off = "", None, None, None, 0
+        async for c in agen:
+            lps = oa.merge_logprobs(pr.kind, lps, oa.logprobs_json(pr.kind, core.tokenizer, c, off))
+            text += c.text
+            off = len(text)
+            if c.finish_reason:
+                finish, usage = c.finish_reason, c.usage
+        return JSONResponse(oa.full_response(pr.kind, rid, model, text, finish, lps, usage))
+
+    async def _stream(agen, first, pr, rid, model):
+        created = int(time.time())
+        off, usage, is_first = 0, None, True
+        try:
+            chunk = first
+            while chunk is not None:
+                lp = oa.logprobs_json(pr.kind, core.tokenizer, chunk, off)
+                off += len(chunk.text)
+                if chunk.finish_reason:
+                    usage = chunk.usage
+                if chunk.text or chunk.finish_reason or lp or is_first:
+                    yield sse(oa.stream_chunk(pr.kind, rid, model, created, chunk.text,
+                                              chunk.finish_reason, lp, first=is_first))
+                    is_first = False
+                try:
+                    chunk = await agen.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+            if pr.include_usage and usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk" if pr.kind == "chat"
+                           else "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": oa.usage_json(usage)})
+        except GatewayError as e:
+            yield sse(error_body(e))
+        finally:
+            # NOTE: the client went away (or we are done): close the generator so the
+            # downstream decode stream is cancelled and its blocks are freed
+            await agen.aclose()
+        yield sse("[DONE]")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "chat")
+
+    return app

@@ -1,0 +1,141 @@
+"""Gateway process: public gRPC (Generation + health + reflection) and the REST bridge on one
+event loop, sharing one GatewayCore. `python -m gateway --prefill H:P --decode H:P`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from common import telemetry
+from common.log import setup_logging
+from common.metrics import get_metrics
+from gateway.config import GatewayConfig, add_args, config_from_args
+from gateway.core import GatewayCore
+from gateway.routing import ReplicaPool
+
+log = logging.getLogger("splitserve.gateway")
+SERVICE = "splitserve.v1.Generation"
+
+
+def load_model_meta(cfg: GatewayConfig) -> dict:
+    """Tokenizer + shape of the served model, without touching its weights."""
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.loader import load_model
+
+    lm = load_model(ModelConfig(model=cfg.model), "cpu", torch.float32)
+    close = getattr(lm.weights, "close", None)
+    if close is not None:
+        close()  # NOTE: the weights iterator is lazy; closing it never reads a tensor
+    arch = lm.arch
+    return {"tokenizer": lm.tokenizer, "name": cfg.served_model_name or lm.name,
+            "max_model_len": cfg.max_model_len or arch.max_position_embeddings,
+            "vocab_size": arch.vocab_size,
+            "eos_token_ids": tuple(arch.eos_token_ids) or tuple(getattr(lm.tokenizer, "eos_token_ids", ())),
+            "info": {"arch": arch.arch, "num_layers": arch.num_layers}}
+
+
+def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
+    from protos import decode_pb2_grpc, prefill_pb2_grpc
+
+    core_ref: list[GatewayCore] = []
+
+    def on_update():
+        if core_ref:
+            core_ref[0].queue.notify()
+
+    prefill = ReplicaPool("prefill", list(cfg.prefill), prefill_pb2_grpc.PrefillStub, on_update)
+    decode = ReplicaPool("decode", list(cfg.decode), decode_pb2_grpc.DecodeStub, on_update)
+    core = GatewayCore(model_name=meta["name"], tokenizer=meta["tokenizer"],
+                       max_model_len=meta["max_model_len"], vocab_size=meta["vocab_size"],
+                       eos_token_ids=meta["eos_token_ids"], prefill=prefill, decode=decode,
+                       admission=cfg.admission, metrics=get_metrics("gateway"), info=meta["info"],
+                       transfer_timeout_ms=cfg.transfer_timeout_ms)
+    core_ref.append(core)
+    return core
+
+
+async def serve(cfg: GatewayConfig) -> int:
+    from common import grpc_util
+    from gateway.grpc_server import add_to_server
+
+    telemetry.setup_tracing("splitserve-gateway")
+    meta = await asyncio.to_thread(load_model_meta, cfg)
+    core = build_core(cfg, meta)
+    server = grpc_util.create_server()
+    add_to_server(server, core, cfg.default_max_tokens)
+    hs = grpc_util.add_health_and_reflection(server, [SERVICE])
+    grpc_port = grpc_util.bind(server, cfg.host, cfg.grpc_port)
+    await server.start()
+    await core.prefill.poll_once()
+    await core.decode.poll_once()
+    core.prefill.start(cfg.poll_interval_s)
+    core.decode.start(cfg.poll_interval_s)
+    await grpc_util.set_serving(hs, [SERVICE], True)
+
+    http_server, http_task, http_port = None, None, -1
+    if cfg.http_port >= 0:
+        import socket
+
+        import uvicorn
+
+        from gateway.rest import build_app
+
+        app = build_app(core, default_max_tokens=cfg.default_max_tokens,
+                        max_body_bytes=cfg.max_body_bytes)
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.http_port))  # bind here so port 0 is known before serving
+        http_port = sock.getsockname()[1]
+        ucfg = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        http_server = uvicorn.Server(ucfg)
+        http_server.install_signal_handlers = lambda: None  # NOTE: we own SIGINT/SIGTERM
+        http_task = asyncio.get_running_loop().create_task(http_server.serve(sockets=[sock]))
+        while not http_server.started and not http_task.done():
+            await asyncio.sleep(0.02)
+        if http_task.done():
+            http_task.result()
+    log.info("gateway: model=%s gRPC %s:%d REST %s; prefill=%s decode=%s", core.model_name,
+             cfg.host, grpc_port, f"http://{cfg.host}:{http_port}" if http_port >= 0 else "off",
+             ",".join(cfg.prefill), ",".join(cfg.decode))
+    if cfg.ready_file:
+        import os
+
+        tmp = cfg.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{grpc_port} {http_port}\n")
+        os.replace(tmp, cfg.ready_file)
+    try:
+        await grpc_util.wait_for_signal()
+    finally:
+        log.info("gateway shutting down")
+        await grpc_util.set_serving(hs, [SERVICE], False)
+        if http_server is not None:
+            http_server.should_exit = True
+            await asyncio.wait([http_task], timeout=5)
+        await server.stop(grace=2)
+        await core.prefill.close()
+        await core.decode.close()
+        telemetry.shutdown_tracing()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    add_args(p)
+    a = p.parse_args(argv)
+    setup_logging(a.log_level, "gateway")
+    try:
+        cfg = config_from_args(a)
+    except ValueError as e:
+        print(f"gateway: {e}", file=sys.stderr)
+        return 2
+    from common.grpc_util import run
+
+    return run(lambda: serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The gateway's internal request/response types, shared by the gRPC and REST fronts.
+Protobuf / JSON are converted to these at the edges (grpc_server.py, openai_api.py)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+
+FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}  # splitserve.v1.FinishReason
+
+
+class GatewayError(Exception):
+    """An error with a gRPC status; the REST bridge maps it to HTTP (HTTP_STATUS)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.param = param  # the offending request field, when known
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
+
+
+def invalid(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+}
+
+
+@dataclass
+class GenRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    priority: int = 0
+    want_text: bool = True
+    operation: str = "text_completion"  # or "chat" (span attribute only)
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class GenChunk:
+    """One step of a response stream: new tokens (one or more) and their text delta.
+    The last chunk has finish_reason, usage and timings."""
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list = field(default_factory=list)  # splitserve.v1.TokenLogprob per token, if asked
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str = ""
+    usage: dict | None = None  # prompt_tokens, completion_tokens, cached_tokens
+    timings: dict | None = None  # ttft_ms, queue_ms, prefill_ms, transfer_ms, total_ms
