@@ -17,7 +17,8 @@ Lifecycle of a Request:
     abort()        -> any -> FINISHED_ABORTED, blocks freed
 
 Each step: running requests first, oldest first (a decode takes 1 token; one still in chunked
-prefill takes up to the remaining budget, capped by long_prefill_token_threshold), then waiting
+prefill takes up to the remaining budget less 1 token per later running decode, capped by
+long_prefill_token_threshold), then waiting
 requests FIFO while budget and max_num_seqs allow. Waiting requests are never admitted by
 preempting running ones, and none is admitted in a step that preempted. A waiting request whose
 next full block is being computed this step by another request (same prefix) waits one step so
@@ -152,9 +153,14 @@ class Scheduler:
             if remaining <= 0:  # nothing to compute (should not happen); skip, keep order
                 i += 1
                 continue
-            n = self._chunk(remaining, budget)
-            if not self.cfg.enable_chunked_prefill and n < remaining:
-                i += 1  # a prompt that must run whole waits for a step with room
+            avail = budget
+            if remaining > 1:
+                # a prefill chunk leaves 1 token for each later running decode (protects TPOT)
+                later = sum(1 for r in self.running[i + 1:] if r.num_tokens - r.num_computed_tokens == 1)
+                avail -= min(later, max_seqs - len(out.scheduled) - 1)
+            n = self._chunk(remaining, avail) if avail > 0 else 0
+            if n == 0 or (not self.cfg.enable_chunked_prefill and n < remaining):
+                i += 1  # no room this step (or a prompt that must run whole): wait
                 continue
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]  # newest; never an already scheduled one (they precede i)

@@ -127,6 +127,19 @@ def test_long_prefill_threshold_caps_chunks_and_decodes_share_budget():
     assert [(s.req.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
 
 
+def test_running_prefill_chunk_leaves_room_for_later_decodes():
+    sched, kv, model = _make(budget=16, threshold=10)
+    a = _req("a", list(range(1, 41)), max_tokens=2, ignore_eos=True)
+    b = _req("b", [7, 8, 9], max_tokens=5, ignore_eos=True)
+    c = _req("c", [4, 5, 6], max_tokens=5, ignore_eos=True)
+    for r in (a, b, c):
+        sched.add(r)
+    sched.update(o := sched.schedule(), model.run(o))  # a: 10, b: 3, c: 3
+    sched.cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)  # threshold off
+    out = sched.schedule()
+    assert [(s.req.request_id, s.num_tokens) for s in out.scheduled] == [("a", 14), ("b", 1), ("c", 1)]
+
+
 def test_chunking_disabled_runs_prompts_whole():
     sched, kv, model = _make(budget=32, chunked=False)
     a = _req("a", list(range(1, 21)), max_tokens=2, ignore_eos=True)
