@@ -98,9 +98,11 @@ class KVCacheManager:
         if not table:
             return
         hashes = self._hashes.setdefault(rid, [])
-        tokens = req.all_token_ids
-        n_full = min(req.num_computed_tokens, len(tokens)) // self.block_size
+        n_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         n_full = min(n_full, len(table))
+        if n_full <= len(hashes):
+            return  # the common decode step: no block completed (skip building all_token_ids)
+        tokens = req.all_token_ids
         for i in range(len(hashes), n_full):
             key = self._key(hashes[-1] if hashes else None, tokens, i)
             hashes.append(self.pool.register(table[i], key))
@@ -113,8 +115,10 @@ class KVCacheManager:
             return []
         hashes = self._hashes.get(req.request_id, [])
         parent = hashes[-1] if hashes else None
+        end = min(req.num_computed_tokens + num_new_tokens, req.num_tokens) // self.block_size
+        if end <= len(hashes):
+            return []
         tokens = req.all_token_ids
-        end = min(req.num_computed_tokens + num_new_tokens, len(tokens)) // self.block_size
         out = []
         for i in range(len(hashes), end):
             parent = hash(self._key(parent, tokens, i))
