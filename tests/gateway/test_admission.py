@@ -1,0 +1,103 @@
+"""Admission controller alone: predictions, decisions, priority queue."""
+import asyncio
+
+import pytest
+
+from gateway.admission import (AdmissionConfig, AdmissionQueue, Decision, LoadView, Prediction,
+                               Predictor, decide)
+
+
+def pred(ttft, idle_ttft, tpot=10.0, idle_tpot=10.0, full=False):
+    return Prediction(ttft, tpot, idle_ttft, idle_tpot, full)
+
+
+def test_prediction_scales_with_queued_tokens_and_rate():
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0,
+                                  overhead_ms=0.0))
+    idle = p.predict(LoadView(), LoadView(), 100)
+    busy = p.predict(LoadView(queued_tokens=900), LoadView(), 100)
+    assert idle.ttft_ms == pytest.approx(100.0)  # 100 tokens at 1000 tok/s
+    assert busy.ttft_ms == pytest.approx(1000.0)
+    assert busy.idle_ttft_ms == pytest.approx(100.0)
+    # the gateway's own in-flight tokens count like queued ones
+    assert p.predict(LoadView(inflight_tokens=400), LoadView(), 100).ttft_ms == pytest.approx(500.0)
+    # a replica's reported rate wins over the prior
+    assert p.predict(LoadView(tokens_per_s=100.0), LoadView(), 100).ttft_ms == pytest.approx(1000.0)
+
+
+def test_observed_prefill_rate_moves_the_estimate():
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0))
+    for _ in range(20):
+        p.observe_prefill(100, prefill_ms=1000.0)  # 100 tok/s measured
+    assert p.prefill_rate.value == pytest.approx(100.0, rel=0.01)
+    p.observe_prefill(100, prefill_ms=0.0)  # nonsense measurements are ignored
+    assert p.prefill_rate.value == pytest.approx(100.0, rel=0.01)
+
+
+def test_tpot_grows_with_batch_and_kv_pressure():
+    p = Predictor(AdmissionConfig(decode_step_ms=10.0, batch_slowdown=0.1))
+    t1, _ = p.tpot_ms(LoadView(running=0))
+    t10, _ = p.tpot_ms(LoadView(running=9))
+    tfull, _ = p.tpot_ms(LoadView(running=9, kv_usage=0.99))
+    assert t1 == pytest.approx(10.0) and t10 == pytest.approx(19.0) and tfull > t10
+    assert p.predict(LoadView(), LoadView(num_free_blocks=0), 10).decode_full
+
+
+def test_decide_admit_queue_reject():
+    # no SLO: admit
+    assert decide(pred(5000, 100), None, None, 0, 30000).kind == "admit"
+    # within SLO
+    assert decide(pred(50, 20), 100, None, 0, 30000).kind == "admit"
+    # busy now, an idle replica would make it: queue, with a retry hint
+    d = decide(pred(500, 20), 100, None, 0, 30000)
+    assert d.kind == "queue" and d.retry_after_s > 0
+    # queued past its budget (SLO - idle TTFT): reject
+    d = decide(pred(500, 20), 100, None, 85, 30000)
+    assert d.kind == "reject" and "ttft_ms=100" in d.reason
+    # impossible even when idle: reject right away, message says predicted vs requested
+    d = decide(pred(500, 200), 100, None, 0, 30000)
+    assert d.kind == "reject" and "200.0 ms" in d.reason and "ttft_ms=100" in d.reason
+    # TPOT SLO
+    assert decide(pred(10, 10, tpot=50, idle_tpot=5), None, 20, 0, 30000).kind == "queue"
+    assert decide(pred(10, 10, tpot=50, idle_tpot=30), None, 20, 0, 30000).kind == "reject"
+
+
+def test_decide_decode_full_queues_then_rejects():
+    assert decide(pred(10, 10, full=True), None, None, 0, 1000).kind == "queue"
+    d = decide(pred(10, 10, full=True), None, None, 1500, 1000)
+    assert d.kind == "reject" and "KV cache full" in d.reason
+
+
+async def test_queue_admits_when_load_drops_and_respects_priority():
+    q = AdmissionQueue()
+    load = {"busy": True}
+    order = []
+
+    def fn_for(name):
+        def fn(waited_ms):
+            if load["busy"]:
+                return Decision("queue", "busy")
+            order.append(name)
+            return Decision("admit", "ok")
+        return fn
+
+    low = asyncio.create_task(q.run(fn_for("low"), priority=0, poll_s=0.01))
+    await asyncio.sleep(0.02)
+    high = asyncio.create_task(q.run(fn_for("high"), priority=5, poll_s=0.01))
+    await asyncio.sleep(0.05)
+    assert len(q) == 2 and not low.done()
+    load["busy"] = False
+    q.notify()
+    await asyncio.wait_for(asyncio.gather(low, high), 2)
+    assert order == ["high", "low"]  # the later but more important request went first
+    assert len(q) == 0
+
+
+async def test_queue_times_out_into_reject():
+    q = AdmissionQueue()
+
+    def fn(waited_ms):
+        return Decision("reject", "late") if waited_ms > 50 else Decision("queue", "busy")
+
+    d = await asyncio.wait_for(q.run(fn, 0, poll_s=0.01), 2)
+    assert d.kind == "reject" and len(q) == 0
