@@ -186,6 +186,10 @@ class Scheduler:
                 self._fail(req, out, f"request needs {self.kv.blocks_for(req.num_tokens)} KV "
                                      f"blocks, the cache holds {self.kv.num_blocks}")
                 continue
+            if self.kv.has_blocks(req.request_id):
+                self._fail(req, out, f"request id {req.request_id!r} already holds KV blocks "
+                                     f"(reserved under the same id?)")
+                continue
             hit = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = hit
             remaining = req.num_tokens - hit

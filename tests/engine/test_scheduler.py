@@ -230,6 +230,15 @@ def test_preempted_request_goes_to_front_of_waiting():
     assert c.finished and kv.num_free_blocks == 4
 
 
+def test_waiting_request_whose_id_holds_reserved_blocks_is_failed():
+    sched, kv, model = _make()
+    assert kv.reserve("x", 5)
+    r = _req("x", [1, 2, 3])
+    sched.add(r)
+    out = sched.schedule()
+    assert out.failed == [r] and "reserved" in r.error and not out.scheduled
+
+
 def test_request_that_can_never_fit_is_failed():
     sched, kv, model = _make(num_blocks=4, budget=64)
     big = _req("big", [1] * 17, max_tokens=2)  # 5 blocks > 4
@@ -328,12 +337,16 @@ def test_finish_and_abort_free_blocks_in_any_state():
     assert all(r.finished for r in reqs)
 
 
-def test_random_mix_no_leaks_and_outputs_match_unconstrained():
+@pytest.mark.parametrize("budget,chunked,threshold,prefix", [
+    (16, True, None, True), (16, True, 5, True), (16, True, None, False), (48, False, None, True),
+])
+def test_random_mix_no_leaks_and_outputs_match_unconstrained(budget, chunked, threshold, prefix):
     rng = random.Random(7)
     shared = [rng.randrange(1, V) for _ in range(10)]
     prompts = [(shared if i % 2 else []) + p for i, p in enumerate(_prompts(30, seed=9, hi=30))]
     want, _, _ = _run_all(prompts, max_tokens=8, num_blocks=1000)
-    sched, kv, model = _make(num_blocks=24, budget=16, max_seqs=5)
+    sched, kv, model = _make(num_blocks=24, budget=budget, max_seqs=5, chunked=chunked,
+                             threshold=threshold, prefix=prefix)
     reqs = [_req(f"r{i}", p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)]
     pending = list(reqs)
     aborted = set()
@@ -342,7 +355,8 @@ def test_random_mix_no_leaks_and_outputs_match_unconstrained():
         if pending and rng.random() < 0.5:
             sched.add(pending.pop(0))
         out = sched.schedule()
-        assert out.num_batched_tokens <= 16 and len(out.scheduled) <= 5
+        assert out.num_batched_tokens <= budget and len(out.scheduled) <= 5
+        assert not out.failed
         sampled = model.run(out)
         if sched.requests and rng.random() < 0.05:
             rid = rng.choice(sorted(sched.requests))
@@ -357,4 +371,4 @@ def test_random_mix_no_leaks_and_outputs_match_unconstrained():
     for r in reqs:
         if r.request_id not in aborted:
             assert r.output_token_ids == want[r.request_id], r.request_id
-    assert kv.stats()["prefix_hits"] > 0
+    assert (kv.stats()["prefix_hits"] > 0) == prefix
