@@ -90,10 +90,15 @@ class DeviceConfig:
     # CUDA-graph buckets: decode batch sizes, prefill token counts (<= cuda_graph_max_prefill_tokens).
     cuda_graph_max_batch: int | None = None
     cuda_graph_max_prefill_tokens: int = 512
+    # CPU intra-op threads for this engine (None: torch's default). Several engine processes
+    # on one small machine should split the cores: oversubscribed OpenMP threads spin and run
+    # ~10x slower than one thread each.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

@@ -48,6 +48,8 @@ class Engine:
         dtype = resolve_dtype(cfg.model.dtype, device)
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        if cfg.device.cpu_threads:
+            torch.set_num_threads(cfg.device.cpu_threads)
         torch.manual_seed(cfg.model.seed)
         loaded = load_model(cfg.model, device, dtype)
         self.arch = loaded.arch

@@ -21,7 +21,7 @@ def build_config(a: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens),
         device=DeviceConfig(device=a.device, enforce_eager=a.enforce_eager,
-                            attention_backend=a.attention_backend),
+                            attention_backend=a.attention_backend, cpu_threads=a.cpu_threads),
     )
 
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
