@@ -161,6 +161,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.partial = 0  # chars of the open window (read_offset..) already emitted
         self.pending = ""  # decoded text held back as a possible stop-string prefix
         self.text = ""  # everything emitted so far
         self.stopped: str | None = None
@@ -184,17 +185,21 @@ class IncrementalDetokenizer:
             return ""
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.tok.decode(self.ids[self.prefix_offset:])
+        # rare: a decoder that rewrites earlier text -- then take what is past the prefix length
+        new = full[len(prefix):] if len(full) > len(prefix) else ""
         held = len(self.ids) - self.read_offset
-        if full.endswith("\ufffd") and not final and held < self.MAX_HELD_TOKENS:
-            return ""  # NOTE: a multi-byte character is split across tokens: wait for the rest
-        if len(full) < len(prefix) or not full.startswith(prefix):
-            # rare (a decoder that rewrites earlier text); fall back to the raw difference
-            new = full[len(prefix):] if len(full) > len(prefix) else ""
-        else:
-            new = full[len(prefix):]
+        if new.endswith("\ufffd") and not final and held < self.MAX_HELD_TOKENS:
+            # NOTE: a multi-byte character is split across tokens: emit what precedes it and
+            # keep the window open; text before a trailing incomplete sequence is stable.
+            safe = new.rstrip("\ufffd")
+            out = safe[self.partial:]
+            self.partial = max(self.partial, len(safe))
+            return out
+        out = new[self.partial:]
+        self.partial = 0
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        return new
+        return out
 
     def _emit(self, new: str, final: bool) -> tuple[str, str | None]:
         buf = self.pending + new

@@ -81,6 +81,15 @@ def hf_smollm2_model(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    """Our tokenizer from the embedded GGUF's metadata (no weights loaded)."""
+    from engine.loader.gguf import _open, read_metadata
+    from engine.loader.gguf_tokenizer import tokenizer_from_gguf
+
+    return tokenizer_from_gguf(read_metadata(_open(smollm2_gguf)))
+
+
+@pytest.fixture(scope="session")
 def our_smollm2(smollm2_gguf):
     """(CausalLM fp32 on cpu, LoadedModel) for the embedded GGUF."""
     from engine.config import ModelConfig

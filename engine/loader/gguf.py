@@ -94,7 +94,9 @@ def iter_gguf_weights(reader, arch: ModelArch, device: str, dtype: torch.dtype,
             w = unpermute_qk(w, arch.num_heads)
         elif permute and name.endswith("k_proj.weight"):
             w = unpermute_qk(w, arch.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dtype)
+        if not (w.flags.writeable and w.flags.c_contiguous):
+            w = np.array(w, order="C")  # F32 tensors come back as read-only views of the mmap
+        yield name, torch.from_numpy(w).to(device=device, dtype=dtype)
         if k % LOG_EVERY == 0 or k == len(tensors):
             log.info("loading gguf: %d/%d tensors", k, len(tensors))
 
