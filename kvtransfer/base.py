@@ -42,7 +42,9 @@ class SendTransfer(abc.ABC):
 class KVSender(abc.ABC):
     @abc.abstractmethod
     async def open(self, address: str, transfer_id: str, request_id: str, layout: KVLayout,
-                   num_tokens: int, timeout_s: float | None = None) -> SendTransfer: ...
+                   num_tokens: int, timeout_s: float | None = None,
+                   metadata: tuple | None = None) -> SendTransfer:
+        """metadata: transport headers (e.g. W3C traceparent) for backends that carry them."""
 
     @abc.abstractmethod
     def get(self, transfer_id: str) -> Transfer | None:
@@ -53,9 +55,11 @@ class KVSender(abc.ABC):
 
 
 async def send_blocks(sender: KVSender, address: str, transfer_id: str, request_id: str,
-                      blocks, layout: KVLayout, timeout_s: float | None = None) -> int:
+                      blocks, layout: KVLayout, timeout_s: float | None = None,
+                      metadata: tuple | None = None) -> int:
     """Send a whole engine KVBlocks layer by layer; -> bytes sent (raises TransferError)."""
-    tx = await sender.open(address, transfer_id, request_id, layout, blocks.num_tokens, timeout_s)
+    tx = await sender.open(address, transfer_id, request_id, layout, blocks.num_tokens, timeout_s,
+                           metadata)
     try:
         for i, t in enumerate(blocks.layers):
             ks = blocks.k_scales[i] if blocks.k_scales is not None else None

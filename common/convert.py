@@ -1,0 +1,75 @@
+"""Protobuf <-> engine objects, at the servicer edge only (pb messages go no deeper).
+
+    params_from_pb(common_pb2.RequestParams) -> engine SamplingParams (raises InvalidRequestError)
+    params_to_pb(SamplingParams) -> common_pb2.RequestParams
+    logprob_to_pb((logprob, [(id, lp), ...]) | None, token_id) -> generate_pb2.TokenLogprob
+    load_to_pb(engine stats dict, **extra) -> common_pb2.LoadStats
+    FINISH_REASONS: engine finish_reason str -> generate_pb2.FinishReason
+"""
+from __future__ import annotations
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from protos import common_pb2, generate_pb2
+
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "logprobs", "min_tokens")
+
+FINISH_REASONS = {
+    None: generate_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": generate_pb2.FINISH_REASON_STOP,
+    "length": generate_pb2.FINISH_REASON_LENGTH,
+    "abort": generate_pb2.FINISH_REASON_ABORT,
+    "error": generate_pb2.FINISH_REASON_ERROR,
+}
+
+
+def params_from_pb(p: common_pb2.RequestParams) -> SamplingParams:
+    s = p.sampling
+    kw = {f: getattr(s, f) for f in _OPTIONAL if s.HasField(f)}
+    for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty"):
+        if f in kw:  # NOTE: proto floats are float32; round so 0.7 stays 0.7, not 0.69999999
+            kw[f] = round(float(kw[f]), 6)
+    if not p.max_tokens:
+        raise InvalidRequestError("max_tokens must be >= 1")
+    return SamplingParams(max_tokens=int(p.max_tokens), stop=tuple(p.stop),
+                          stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
+                          ignore_eos=p.ignore_eos,
+                          include_stop_str_in_output=p.include_stop_str_in_output, **kw)
+
+
+def params_to_pb(sp: SamplingParams) -> common_pb2.RequestParams:
+    s = generate_pb2.SamplingParams()
+    for f in _OPTIONAL:
+        v = getattr(sp, f)
+        if v is not None:
+            setattr(s, f, v)
+    return common_pb2.RequestParams(
+        sampling=s, max_tokens=sp.max_tokens, stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.include_stop_str_in_output)
+
+
+def logprob_to_pb(lp, token_id: int) -> generate_pb2.TokenLogprob | None:
+    if lp is None:
+        return None
+    chosen, top = lp
+    return generate_pb2.TokenLogprob(
+        token_id=int(token_id), logprob=float(chosen),
+        top=[generate_pb2.TopLogprob(token_id=int(i), logprob=float(v)) for i, v in top])
+
+
+def load_to_pb(stats: dict, **extra) -> common_pb2.LoadStats:
+    q, h = stats.get("prefix_queries") or 0, stats.get("prefix_hits") or 0
+    steps = [float(x) for x in stats.get("recent_step_ms") or []]
+    msg = common_pb2.LoadStats(
+        running=int(stats.get("running", 0)), waiting=int(stats.get("waiting", 0)),
+        kv_usage=float(stats.get("kv_usage", 0.0)),
+        queued_tokens=int(stats.get("waiting_tokens", 0)),
+        num_free_blocks=int(stats.get("num_free_blocks", 0)),
+        num_total_blocks=int(stats.get("num_blocks", 0)),
+        recent_step_ms=steps, mean_step_ms=sum(steps) / len(steps) if steps else 0.0,
+        prefix_hit_rate=h / q if q else 0.0)
+    for k, v in extra.items():
+        setattr(msg, k, v)
+    return msg

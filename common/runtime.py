@@ -1,0 +1,132 @@
+"""Process runtime shared by prefill_svc and decode_svc: engine thread, gRPC server with
+health + reflection, /metrics port, tracing, graceful stop on SIGINT/SIGTERM.
+
+Tracing and metrics come from common/telemetry.py and common/metrics.py (owned by the gateway
+side); when those cannot be imported the services run with no-op fallbacks.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common.grpc_util import (add_health_and_reflection, bind, create_server, set_serving,
+                              wait_for_signal)
+from common.service_args import write_ready_file
+
+log = logging.getLogger("splitserve.runtime")
+
+try:  # tracing
+    from common import telemetry as _tel
+except Exception:  # noqa: BLE001 - optional dependency of the services
+    _tel = None
+try:  # metrics
+    from common import metrics as _metrics
+except Exception:  # noqa: BLE001
+    _metrics = None
+
+
+def setup_tracing(service: str) -> None:
+    if _tel is not None:
+        _tel.setup_tracing(service)
+
+
+def server_span(name: str, context, attributes: dict | None = None):
+    """SERVER span continuing the caller's W3C trace context from gRPC metadata."""
+    if _tel is None:
+        return contextlib.nullcontext(None)
+    return _tel.server_span(name, context.invocation_metadata() or (), attributes=attributes)
+
+
+def trace_metadata() -> tuple:
+    """Metadata carrying the current trace context to a downstream call."""
+    return _tel.inject_metadata() if _tel is not None else ()
+
+
+def set_span_attrs(sp, attributes: dict) -> None:
+    if sp is not None and _tel is not None:
+        _tel.set_attrs(sp, attributes)
+
+
+class _NoMetrics:
+    """Accepts any metric call and does nothing (common/metrics.py missing)."""
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *a, **k):
+        return self
+
+
+def get_metrics(service: str):
+    return _metrics.get_metrics(service) if _metrics is not None else _NoMetrics()
+
+
+@dataclass
+class Rate:
+    """Tokens/s from a cumulative counter sampled now and then."""
+    window_s: float = 5.0
+    samples: list[tuple[float, float]] = field(default_factory=list)
+
+    def update(self, total: float) -> float:
+        now = time.monotonic()
+        self.samples.append((now, float(total)))
+        while len(self.samples) > 2 and now - self.samples[0][0] > self.window_s:
+            self.samples.pop(0)
+        (t0, v0), (t1, v1) = self.samples[0], self.samples[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+async def serve(service: str, args, engine, register: Callable[[object], list[str]],
+                on_stop: Callable[[], object] | None = None,
+                started: Callable[[int], object] | None = None) -> int:
+    """Start engine + server, serve until a signal, stop cleanly.
+
+    register(server) adds the servicers and returns their full service names; started(port)
+    runs once bound (before SERVING), e.g. to learn the advertised address."""
+    await engine.start()
+    metrics = get_metrics(service)
+    server = create_server()
+    names = register(server)
+    hs = add_health_and_reflection(server, names)
+    port = bind(server, args.host, args.port)
+    if started is not None:
+        started(port)
+    await server.start()
+    mport = None
+    if args.metrics_port is not None and _metrics is not None:
+        mport = metrics.serve(args.metrics_port, args.host)
+    updater = asyncio.get_running_loop().create_task(_update_metrics(metrics, engine))
+    await set_serving(hs, names, True)
+    write_ready_file(args.ready_file, port, mport)
+    log.info("%s serving on %s:%d (metrics port %s)", service, args.host, port, mport)
+    try:
+        await wait_for_signal()
+    finally:
+        log.info("%s stopping", service)
+        await set_serving(hs, names, False)
+        updater.cancel()
+        await server.stop(grace=2.0)
+        if on_stop is not None:
+            res = on_stop()
+            if asyncio.iscoroutine(res):
+                await res
+        await engine.stop()
+        if mport is not None:
+            metrics.stop_serving()
+        if _tel is not None:
+            with contextlib.suppress(Exception):
+                _tel.shutdown_tracing()
+    return 0
+
+
+async def _update_metrics(metrics, engine, interval_s: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            metrics.update_from_engine_stats(engine.stats())
+        except Exception:  # noqa: BLE001 - metrics must never take the service down
+            log.debug("metrics update failed", exc_info=True)

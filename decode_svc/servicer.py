@@ -1,0 +1,220 @@
+"""DecodeServicer: the gRPC edge of the decode service.
+
+Lifecycle of one request:
+  reserved   Reserve: engine.reserve pre-allocates blocks, KVReceiver.expect(transfer id)
+  receiving  KVTransfer.PushKV streams land layer by layer in those blocks
+  running    Decode: waits for the transfer DONE, claims it, engine.add_prefilled joins the batch
+  finished   stop / length / stop string / abort; blocks freed by the engine
+A reservation whose KV or Decode call never comes is failed by the receiver's reaper at its
+deadline and its blocks released; a cancelled Decode stream aborts the request (blocks freed).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+import grpc
+
+from common.convert import FINISH_REASONS, load_to_pb, logprob_to_pb, params_from_pb
+from common.runtime import Rate, server_span, set_span_attrs
+from engine.sampling_params import InvalidRequestError
+from kvtransfer import KVReceiver, TransferError
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2
+
+log = logging.getLogger("splitserve.decode")
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine, receiver: KVReceiver, metrics, *, address: str = "",
+                 reservation_timeout_s: float = 30.0, transfer_timeout_s: float = 30.0):
+        self.engine = engine              # AsyncEngine
+        self.receiver = receiver
+        self.metrics = metrics
+        self.address = address            # host:port written into tickets (set once bound)
+        self.reservation_timeout_s = reservation_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._reserved_tokens: dict[str, int] = {}  # transfer id -> prompt tokens
+        self._running: dict[str, asyncio.Task] = {}  # request id -> Decode handler task
+        self._rate = Rate()
+        self._generated = 0
+
+    # ---- Reserve ----------------------------------------------------------------------
+    async def Reserve(self, request: decode_pb2.ReserveRequest, context):
+        rid, n = request.request_id, request.num_prompt_tokens
+        with server_span("decode.reserve", context, {"splitserve.request_id": rid}):
+            if not rid:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            if self.receiver.find_request(rid) is not None or rid in self._running:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request id {rid!r} already has a reservation")
+            try:
+                blocks = await self.engine.call(lambda e: e.reserve(rid, n))
+            except (InvalidRequestError, ValueError) as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if blocks is None:
+                st = self.engine.stats()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"no room for {n} prompt tokens: {st.get('num_free_blocks')} of "
+                                    f"{st.get('num_blocks')} KV blocks free")
+            timeout = request.timeout_ms / 1e3 if request.timeout_ms else self.reservation_timeout_s
+            tid = uuid.uuid4().hex
+            self.receiver.expect(tid, rid, len(blocks), n, timeout)
+            self._reserved_tokens[tid] = n
+            lay = self.receiver.layout
+            return decode_pb2.ReserveResponse(ticket=common_pb2.TransferTicket(
+                transfer_id=tid, decode_address=self.address, block_ids=blocks,
+                block_size=lay.block_size, num_tokens=n, expires_ms=int(timeout * 1e3),
+                layout=common_pb2.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                                           head_dim=lay.head_dim, dtype=lay.dtype)))
+
+    # ---- Decode -----------------------------------------------------------------------
+    async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        rid, tid = request.request_id, request.transfer_id
+        with server_span("decode", context, {"splitserve.request_id": rid}) as sp:
+            t = self.receiver.get(tid)
+            if t is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"unknown transfer {tid!r} (never reserved, or expired)")
+            if t.request_id != rid:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"transfer {tid!r} belongs to request {t.request_id!r}, not {rid!r}")
+            try:
+                params = params_from_pb(request.params)
+            except InvalidRequestError as e:
+                self.receiver.fail(tid, f"bad Decode request: {e}")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            t0 = time.perf_counter()
+            wait_s = request.transfer_timeout_ms / 1e3 if request.transfer_timeout_ms else self.transfer_timeout_s
+            try:
+                await self.receiver.wait(tid, wait_s)
+            except TransferError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except (asyncio.TimeoutError, TimeoutError):
+                self.receiver.fail(tid, "Decode gave up waiting for the KV")
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"KV for transfer {tid} did not arrive within {wait_s:.1f}s")
+            except asyncio.CancelledError:
+                self.receiver.fail(tid, "Decode cancelled while waiting for the KV")
+                raise
+            transfer = self.receiver.claim(tid)  # from here the engine request owns the blocks
+            self._reserved_tokens.pop(tid, None)
+            wait_ms = (time.perf_counter() - t0) * 1e3
+            self.metrics.observe_kv_transfer("recv", transfer.bytes_moved, transfer.duration_s)
+            set_span_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved,
+                                "splitserve.kv.wait_ms": wait_ms})
+            self._running[rid] = asyncio.current_task()
+            try:
+                async for resp in self._stream(rid, request, params, wait_ms):
+                    yield resp
+            except _Abort as e:
+                await context.abort(e.code, str(e))
+            except RuntimeError as e:  # engine error / engine thread died
+                await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {e}")
+            finally:
+                self._running.pop(rid, None)
+
+    async def _stream(self, rid, request, params, wait_ms):
+        prompt = [int(x) for x in request.prompt_token_ids]
+        first = int(request.first_token_id)
+        tok = self.engine.tokenizer
+        detok = tok.detokenizer(prompt, params) if tok is not None and (request.detokenize or params.stop) else None
+        pending_text, stop = detok.step([first]) if detok is not None else ("", None)
+
+        def start(e):
+            try:
+                return e.add_prefilled(rid, prompt, first, params)
+            except BaseException:
+                e.release(rid)  # NOTE: blocks are ours since claim(); never leak them
+                raise
+
+        n_gen, t_last, first_msg = 1, time.perf_counter(), True
+        outcome = "abort"
+        try:
+            if stop is not None:  # the first token already completed a stop string
+                await self.engine.call(lambda e: e.release(rid))
+                outcome = "stop"
+                yield self._msg([], pending_text if request.detokenize else "", [], "stop", stop, wait_ms, n_gen)
+                return
+            agen = self.engine.stream(rid, start)
+            async with contextlib.aclosing(agen):  # leaving early aborts the engine request
+                try:
+                    async for out in agen:
+                        if out.finish_reason == "error":
+                            outcome = "error"
+                            raise RuntimeError(out.error or "engine error")
+                        now = time.perf_counter()
+                        if out.new_token_ids:
+                            self.metrics.itl.observe(now - t_last)
+                        t_last = now
+                        n_gen += len(out.new_token_ids)
+                        self._generated += len(out.new_token_ids)
+                        self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                        text = pending_text
+                        pending_text = ""
+                        reason = out.finish_reason if out.finished else None
+                        if detok is not None:
+                            delta, stop = detok.step(out.new_token_ids) if out.new_token_ids else ("", None)
+                            text += delta
+                            if stop is not None:
+                                reason = "stop"
+                            elif out.finished:
+                                text += detok.flush()
+                        lps = [logprob_to_pb(lp, t) for lp, t in zip(out.logprobs, out.new_token_ids)
+                               if lp is not None] if out.logprobs else []
+                        yield self._msg(out.new_token_ids, text if request.detokenize else "", lps,
+                                        reason, stop or "", wait_ms if first_msg else 0.0, n_gen)
+                        first_msg = False
+                        if reason is not None:
+                            outcome = reason
+                            return  # aclosing aborts the engine request if it still runs
+                except InvalidRequestError as e:
+                    outcome = "error"
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        finally:
+            self.metrics.requests.labels(outcome=outcome).inc()
+
+    @staticmethod
+    def _msg(ids, text, lps, reason, stop, wait_ms, n_gen):
+        return decode_pb2.DecodeResponse(
+            token_ids=ids, text=text, logprobs=[x for x in lps if x is not None],
+            finish_reason=FINISH_REASONS.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED),
+            stop_reason=str(stop or ""), transfer_wait_ms=wait_ms, num_generated=n_gen)
+
+    # ---- Release / Abort / Load -------------------------------------------------------
+    async def Release(self, request: decode_pb2.ReleaseRequest, context):
+        return decode_pb2.ReleaseResponse(found=await self._drop(request, "released"))
+
+    async def Abort(self, request: decode_pb2.ReleaseRequest, context):
+        return decode_pb2.ReleaseResponse(found=await self._drop(request, "aborted"))
+
+    async def _drop(self, request, why: str) -> bool:
+        rid, tid = request.request_id, request.transfer_id
+        t = self.receiver.get(tid) if tid else self.receiver.find_request(rid)
+        if t is not None and not t.claimed and self.receiver.fail(
+                t.transfer_id, f"{why} by the caller{': ' + request.reason if request.reason else ''}"):
+            self._reserved_tokens.pop(t.transfer_id, None)
+            return True
+        task = self._running.get(rid)
+        if task is not None:
+            task.cancel()  # the Decode stream ends CANCELLED; its engine request is aborted
+            return True
+        return False
+
+    async def Load(self, request, context):
+        pending = {t.transfer_id for t in self.receiver.pending()}
+        for tid in [k for k in self._reserved_tokens if k not in pending]:
+            self._reserved_tokens.pop(tid, None)  # expired / failed reservations
+        return load_to_pb(self.engine.stats(), reserved=len(pending),
+                          queued_tokens=sum(self._reserved_tokens.values()),
+                          tokens_per_s=int(self._rate.update(self._generated)))
+
+
+class _Abort(Exception):
+    def __init__(self, code, msg):
+        super().__init__(msg)
+        self.code = code

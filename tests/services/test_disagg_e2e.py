@@ -1,0 +1,177 @@
+"""Real prefill + decode processes on loopback ports, driven Reserve -> Prefill -> Decode.
+
+Greedy output equals the engine run colocated; cancel mid-stream frees the blocks on both
+sides; an unused reservation expires; bad input -> INVALID_ARGUMENT; a killed decode ends
+the stream with an error within seconds; health, reflection and /metrics answer."""
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from protos import common_pb2, decode_pb2, generate_pb2, prefill_pb2
+from tests.services import procs
+from tests.services.client import Client
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 23, 40)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def services():
+    launches = [procs.spawn("prefill_svc"), procs.spawn("decode_svc", ["--reservation-timeout-s", "20"])]
+    started = []
+    try:
+        for ln in launches:  # both boot in parallel
+            started.append(procs.wait_ready(ln))
+        yield started[0], started[1]
+    finally:
+        for _m, p, _r, _l in launches:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+@pytest.fixture
+async def client(services):
+    pre, dec = services
+    c = Client(pre.address, dec.address)
+    yield c
+    await c.close()
+
+
+def _colocated(prompts, params):
+    eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
+                              cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    got = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+async def _load(client):
+    return (await client.prefill.Load(common_pb2.LoadRequest(), timeout=5),
+            await client.decode.Load(common_pb2.LoadRequest(), timeout=5))
+
+
+async def _wait_idle(client, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pl, dl = await _load(client)
+        if pl.kv_usage == 0 and dl.kv_usage == 0 and dl.reserved == 0 and dl.running == 0:
+            return pl, dl
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held: prefill {pl} decode {dl}")
+        await asyncio.sleep(0.1)
+
+
+async def test_greedy_equals_colocated_engine(client):
+    want = _colocated(PROMPTS, GREEDY)
+    results = await asyncio.gather(*(client.generate(f"g{i}", p, GREEDY)
+                                     for i, p in enumerate(PROMPTS)))
+    for i, (toks, msgs) in enumerate(results):
+        assert toks == want[i], f"prompt {i}"
+        assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert msgs[-1].num_generated == GREEDY.max_tokens
+    # a repeated prompt hits prefill's prefix cache and still decodes the same
+    toks, _ = await client.generate("again", PROMPTS[2], GREEDY)
+    assert toks == want[2]
+    await _wait_idle(client)
+
+
+async def test_cancel_mid_stream_frees_blocks_on_both(client):
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    _, _, call = await client.start("cancel-me", PROMPTS[1], params)
+    n = 0
+    async for m in call:
+        n += len(m.token_ids)
+        if n >= 3:
+            break
+    _, dl = await _load(client)
+    assert dl.kv_usage > 0
+    call.cancel()
+    await _wait_idle(client)
+
+
+async def test_unused_reservation_expires(client):
+    res = await client.decode.Reserve(decode_pb2.ReserveRequest(
+        request_id="never", num_prompt_tokens=30, timeout_ms=300), timeout=5)
+    assert len(res.ticket.block_ids) == 2 and res.ticket.layout.num_layers == 2
+    _, dl = await _load(client)
+    assert dl.reserved == 1 and dl.kv_usage > 0
+    await _wait_idle(client)
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # the expired ticket is gone
+        call = client.decode.Decode(decode_pb2.DecodeRequest(
+            request_id="never", transfer_id=res.ticket.transfer_id, prompt_token_ids=[1],
+            first_token_id=1, params=common_pb2.RequestParams(max_tokens=2)), timeout=5)
+        async for _ in call:
+            pass
+    assert e.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+
+
+async def test_bad_input_is_invalid_argument(client):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.decode.Reserve(decode_pb2.ReserveRequest(request_id="big", num_prompt_tokens=999))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in e.value.details()
+    res = await client.decode.Reserve(decode_pb2.ReserveRequest(request_id="oov", num_prompt_tokens=3))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="oov", prompt_token_ids=[1, 2, 100000],
+            params=common_pb2.RequestParams(max_tokens=4), ticket=res.ticket))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in e.value.details()
+    bad_params = common_pb2.RequestParams(max_tokens=4, sampling=generate_pb2.SamplingParams(top_p=3))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="oov", prompt_token_ids=[1, 2], params=bad_params, ticket=res.ticket))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
+    await client.decode.Release(decode_pb2.ReleaseRequest(request_id="oov",
+                                                          transfer_id=res.ticket.transfer_id))
+    await _wait_idle(client)
+
+
+async def test_health_reflection_metrics(services):
+    for p in services:
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+            stream = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            names = [s.name async for r in stream for s in r.list_services_response.service]
+            assert any(n.startswith("splitserve.internal.v1.") for n in names), names
+        body = urllib.request.urlopen(f"http://127.0.0.1:{p.metrics_port}/metrics", timeout=5).read()
+        assert b"splitserve_kv_cache_usage_ratio" in body
+
+
+async def test_killed_decode_errors_within_seconds(services):
+    pre, _ = services
+    dec = procs.start("decode_svc")
+    c = Client(pre.address, dec.address)
+    try:
+        params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+        _, _, call = await c.start("doomed", PROMPTS[0], params)
+        async for _m in call:
+            break
+        dec.popen.kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _m in call:
+                pass
+        assert time.monotonic() - t0 < 5
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+    finally:
+        await c.close()
+        dec.stop()
