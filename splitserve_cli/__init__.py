@@ -1,0 +1,1 @@
+"""splitserve command line: up / gateway / prefill / decode / generate / chat."""

@@ -1,0 +1,138 @@
+"""`splitserve up`: prefill, decode and gateway as three processes, supervised together.
+
+Starts prefill and decode (engine flags not known here are forwarded to both), waits for
+their ready files, starts the gateway pointing at them, waits for it, prints the URLs.
+Ctrl-C / SIGTERM -> SIGTERM to all three, SIGKILL to any still alive after a grace period.
+If one child dies, the others are stopped and `up` exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+GRACE_S = 10.0
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], ready_file: str, env: dict):
+        self.name, self.argv, self.ready_file = name, argv, ready_file
+        # NOTE: own process group so a terminal Ctrl-C reaches us first; we stop them in order
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def ready(self) -> list[str] | None:
+        if not os.path.exists(self.ready_file):
+            return None
+        with open(self.ready_file) as f:
+            return f.read().split()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def service_cmd(module: str, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def wait_ready(children: list[Child], timeout_s: float) -> dict[str, list[str]]:
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, list[str]] = {}
+    while len(out) < len(children):
+        for c in children:
+            if c.name in out:
+                continue
+            if not c.alive():
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} before it was ready "
+                                   f"(command: {' '.join(c.argv)})")
+            r = c.ready()
+            if r:
+                out[c.name] = r
+        if time.monotonic() > deadline:
+            missing = [c.name for c in children if c.name not in out]
+            raise RuntimeError(f"not ready after {timeout_s:.0f} s: {', '.join(missing)}")
+        time.sleep(0.1)
+    return out
+
+
+def stop_all(children: list[Child]) -> None:
+    for c in reversed(children):  # gateway first, so no new work reaches the engines
+        if c.alive():
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for c in children:
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            c.proc.wait(left)
+        except subprocess.TimeoutExpired:
+            print(f"splitserve: {c.name} did not stop in {GRACE_S:.0f} s; killing it", file=sys.stderr)
+            c.proc.kill()
+            c.proc.wait()
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("SPLITSERVE_MODEL", "default"))
+    p.add_argument("--host", default="127.0.0.1", help="bind address of all three services")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--prefill-port", type=int, default=50061)
+    p.add_argument("--decode-port", type=int, default=50071)
+    p.add_argument("--metrics-ports", default=None,
+                   help="prefill,decode Prometheus ports (e.g. 9101,9102; default off)")
+    p.add_argument("--gateway-arg", action="append", default=[],
+                   help="extra flag for the gateway only (repeat), e.g. --gateway-arg=--default-ttft-ms=500")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--log-level", default=None)
+
+
+def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
+    tmp = tempfile.mkdtemp(prefix="splitserve-up-")
+    env = dict(os.environ)
+    common = ["--model", a.model, "--host", a.host] + (["--log-level", a.log_level] if a.log_level else [])
+    mp = a.metrics_ports.split(",") if a.metrics_ports else [None, None]
+    children: list[Child] = []
+    stop = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stop["sig"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name, module, port, mport in (("prefill", "prefill_svc", a.prefill_port, mp[0]),
+                                          ("decode", "decode_svc", a.decode_port, mp[1])):
+            args = common + ["--port", str(port), "--ready-file", os.path.join(tmp, name)]
+            if mport:
+                args += ["--metrics-port", mport]
+            children.append(Child(name, service_cmd(module, args + engine_args),
+                                  os.path.join(tmp, name), env))
+        ready = wait_ready(children, a.ready_timeout)
+        pport, dport = ready["prefill"][0], ready["decode"][0]
+        gw_args = common + ["--port", str(a.grpc_port), "--http-port", str(a.http_port),
+                            "--prefill", f"{a.host}:{pport}", "--decode", f"{a.host}:{dport}",
+                            "--ready-file", os.path.join(tmp, "gateway"), *a.gateway_arg]
+        children.append(Child("gateway", service_cmd("gateway", gw_args), os.path.join(tmp, "gateway"),
+                              env))
+        ready = wait_ready(children, a.ready_timeout)
+        gport, hport = ready["gateway"][0], ready["gateway"][1]
+        print(f"splitserve is up (model {a.model}):\n"
+              f"  REST (OpenAI)  http://{a.host}:{hport}/v1   (health: /health, metrics: /metrics)\n"
+              f"  gRPC           {a.host}:{gport}   (splitserve.v1.Generation)\n"
+              f"  prefill        {a.host}:{pport}\n  decode         {a.host}:{dport}\n"
+              f"Ctrl-C stops all three.", flush=True)
+        while stop["sig"] is None:
+            dead = [c for c in children if not c.alive()]
+            if dead:
+                print(f"splitserve: {dead[0].name} exited with code {dead[0].proc.returncode}; "
+                      f"stopping the others", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as e:
+        print(f"splitserve up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(children)
