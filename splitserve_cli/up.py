@@ -73,6 +73,20 @@ def stop_all(children: list[Child]) -> None:
             c.proc.wait()
 
 
+def _gateway_shared_flags(engine_args: list[str]) -> list[str]:
+    """The engine flags the gateway must agree on (context length, served name)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-model-len")
+    p.add_argument("--served-model-name")
+    known, _ = p.parse_known_args(engine_args)
+    out = []
+    if known.max_model_len:
+        out += ["--max-model-len", known.max_model_len]
+    if known.served_model_name:
+        out += ["--served-model-name", known.served_model_name]
+    return out
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("SPLITSERVE_MODEL", "default"))
     p.add_argument("--host", default="127.0.0.1", help="bind address of all three services")
@@ -111,9 +125,10 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                                   os.path.join(tmp, name), env))
         ready = wait_ready(children, a.ready_timeout)
         pport, dport = ready["prefill"][0], ready["decode"][0]
+        shared = _gateway_shared_flags(engine_args)
         gw_args = common + ["--port", str(a.grpc_port), "--http-port", str(a.http_port),
                             "--prefill", f"{a.host}:{pport}", "--decode", f"{a.host}:{dport}",
-                            "--ready-file", os.path.join(tmp, "gateway"), *a.gateway_arg]
+                            "--ready-file", os.path.join(tmp, "gateway"), *shared, *a.gateway_arg]
         children.append(Child("gateway", service_cmd("gateway", gw_args), os.path.join(tmp, "gateway"),
                               env))
         ready = wait_ready(children, a.ready_timeout)
