@@ -1,18 +1,36 @@
-"""RMSNorm as Llama defines it: normalize in float32, cast back, then scale."""
+"""RMSNorm as Llama defines it: normalize in float32, cast back, then scale. On CUDA the
+(fused residual-add +) norm runs as one Triton kernel (engine.kernels.rmsnorm)."""
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_norms():
+    try:
+        from engine.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+        return rms_norm, fused_add_rms_norm
+    except Exception:  # no triton: torch path
+        return None
 
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [T, H]. Without residual: returns norm(x). With residual: adds first and returns
         (norm(x + residual), x + residual) -- the fused pre-norm residual step."""
+        kern = _triton_norms() if x.is_cuda else None
+        if kern is not None:
+            if residual is None:
+                return kern[0](x, self.weight, self.eps)
+            return kern[1](x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

@@ -1,11 +1,13 @@
-"""Rotary position embeddings (GPT-NeoX / HF "rotate_half" layout), with Llama-3 and
-linear frequency scaling.
+"""Rotary position embeddings (GPT-NeoX / HF "rotate_half" layout), with Llama-3, linear and
+per-frequency-factor scaling.
 
-cos/sin are computed from `positions` on every call (inv_freq is a small buffer): no
-position cache to outgrow, and CUDA-graph safe (fixed shapes in, fixed shapes out).
+cos/sin are computed from `positions` once per forward ([T, head_dim/2] float32, shared by
+all layers): no position table to outgrow, and CUDA-graph safe. On CUDA the rotation runs
+in place through the Triton kernel (engine.kernels.rotary); elsewhere in torch.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,7 +22,7 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
     if rt == "linear":
         return inv / float(scaling["factor"])
     if rt == "factors":
-        f = torch.tensor(scaling["factors"], dtype=torch.float32)
+        f = torch.tensor(scaling["factors"], dtype=torch.float32, device=inv.device)
         if f.shape != inv.shape:
             raise ValueError(f"rope factors: {tuple(f.shape)} values for {inv.shape[0]} frequencies")
         return inv / f
@@ -40,24 +42,55 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
     raise ValueError(f"unsupported rope_type {rt!r}")
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_rotary():
+    try:
+        from engine.kernels.rotary import rotary_neox_
+
+        return rotary_neox_
+    except Exception:  # no triton / no GPU toolchain: torch path
+        return None
+
+
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
-        # NOTE: not persistent: never part of a state dict, always recomputed in float32
-        self.register_buffer("inv_freq", compute_inv_freq(head_dim, theta, scaling), persistent=False)
+        # NOTE: a plain attribute, not a buffer: model.to(dtype=bf16) must not round the
+        # frequencies; _apply below moves it across devices and keeps it float32.
+        self.inv_freq = compute_inv_freq(head_dim, theta, scaling)
+
+    def _apply(self, fn, recurse=True):
+        probe = fn(torch.zeros(1, device=self.inv_freq.device))
+        self.inv_freq = self.inv_freq.to(device=probe.device, dtype=torch.float32)
+        return super()._apply(fn, recurse)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long -> cos, sin [T, head_dim // 2] float32."""
-        inv = self.inv_freq.to(device=positions.device, dtype=torch.float32)
-        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return freqs.cos(), freqs.sin()
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              token_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D]; cos/sin [T, D/2] for these tokens. Returns rotated
+        q, k (on CUDA: rotated in place; token_index = arange(T) lets the kernel read row t)."""
+        return rotate_qk(q, k, cos, sin, token_index)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated (same shapes and dtype)."""
         cos, sin = self.cos_sin(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.apply(q, k, cos, sin)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              token_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See RotaryEmbedding.apply."""
+    kern = _triton_rotary() if q.is_cuda else None
+    if kern is not None:
+        idx = token_index if token_index is not None else torch.arange(q.shape[0], device=q.device)
+        kern(idx, q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

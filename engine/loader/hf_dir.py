@@ -134,6 +134,11 @@ def load_hf_dir(path: str, device: str, dtype: torch.dtype):
     except ValueError as e:
         raise ModelLoadError(f"{os.path.join(path, 'config.json')}: {e}") from None
     arch = _merge_generation_eos(path, arch)
+    sw = cfg.get("sliding_window")
+    if sw and cfg.get("use_sliding_window", True) and int(sw) < arch.max_position_embeddings:
+        # NOTE: attention here is always full; beyond `sliding_window` tokens outputs differ
+        log.warning("%s: sliding_window=%s is ignored (full attention); contexts longer than "
+                    "that differ from the reference model", path, sw)
     files = shard_files(path)
     total = sum(check_shard(f) for f in files)
     log.info("hf checkpoint %s: %s, %d layers, %d shards, %d tensors", path, arch.arch,

@@ -17,7 +17,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScales
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.rmsnorm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, rotate_qk
 from engine.models.arch import ModelArch
 
 log = logging.getLogger("splitserve.engine.model")
@@ -44,16 +44,16 @@ class Attention(torch.nn.Module):
         self.qkv_proj = MergedLinear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
                                      bias=arch.attention_bias, dtype=dtype)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.backend = backend
 
-    def forward(self, positions, x, kv_cache, meta, kv_scales):
+    def forward(self, rope, x, kv_cache, meta, kv_scales):
+        """rope: (cos, sin, token_index) for this batch, computed once per forward."""
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.reshape(t, self.num_heads, self.head_dim)      # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = rotate_qk(q, k, *rope)
         o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, kv_scales)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -78,14 +78,14 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MLP(arch, dtype)
 
-    def forward(self, positions, h, residual, kv_cache, meta, kv_scales):
+    def forward(self, rope, h, residual, kv_cache, meta, kv_scales):
         # pre-norm residual stream: residual carries the running sum, h the block output
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, x, kv_cache, meta, kv_scales)
+        h = self.self_attn(rope, x, kv_cache, meta, kv_scales)
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
 
@@ -102,6 +102,7 @@ class CausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             DecoderLayer(arch, i, attn_backend, dtype) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         if arch.tie_word_embeddings:
             self.lm_head = None  # NOTE: tied: compute_logits reads embed_tokens
         else:
@@ -118,9 +119,12 @@ class CausalLM(torch.nn.Module):
                 meta: AttentionMetadata, kv_scales: KVScales | None = None) -> torch.Tensor:
         """input_ids, positions: [T] long -> final-normed hidden [T, hidden]."""
         h = torch.nn.functional.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions)  # [T, D/2] f32, shared by every layer
+        idx = torch.arange(input_ids.shape[0], device=input_ids.device) if input_ids.is_cuda else None
+        rope = (cos, sin, idx)
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(positions, h, residual, kv_caches[i], meta, kv_scales)
+            h, residual = layer(rope, h, residual, kv_caches[i], meta, kv_scales)
         h, _ = self.norm(h, residual)
         return h
 
