@@ -39,7 +39,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.reservation_timeout_s = reservation_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self._reserved_tokens: dict[str, int] = {}  # transfer id -> prompt tokens
-        self._running: dict[str, asyncio.Task] = {}  # request id -> Decode handler task
+        self._running: dict[str, tuple] = {}  # request id -> (pump task, its output queue)
         self._rate = Rate()
         self._generated = 0
 
@@ -107,23 +107,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.metrics.observe_kv_transfer("recv", transfer.bytes_moved, transfer.duration_s)
             set_span_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved,
                                 "splitserve.kv.wait_ms": wait_ms})
-            self._running[rid] = asyncio.current_task()
             try:
-                async for resp in self._stream(rid, request, params, wait_ms):
-                    yield resp
+                # NOTE: aclosing: a cancel that lands while we sit at `yield` still closes _stream
+                async with contextlib.aclosing(self._stream(rid, request, params, wait_ms)) as st:
+                    async for resp in st:
+                        yield resp
             except _Abort as e:
                 await context.abort(e.code, str(e))
             except RuntimeError as e:  # engine error / engine thread died
                 await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {e}")
-            finally:
-                self._running.pop(rid, None)
 
     async def _stream(self, rid, request, params, wait_ms):
+        """Yield DecodeResponses. The engine stream is read by a pump task into a local queue,
+        so Abort (another RPC) can end this stream at once by queueing _ABORTED."""
         prompt = [int(x) for x in request.prompt_token_ids]
         first = int(request.first_token_id)
         tok = self.engine.tokenizer
         detok = tok.detokenizer(prompt, params) if tok is not None and (request.detokenize or params.stop) else None
         pending_text, stop = detok.step([first]) if detok is not None else ("", None)
+        text_out = bool(request.detokenize)
 
         def start(e):
             try:
@@ -132,50 +134,76 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 e.release(rid)  # NOTE: blocks are ours since claim(); never leak them
                 raise
 
-        n_gen, t_last, first_msg = 1, time.perf_counter(), True
-        outcome = "abort"
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump():
+            try:
+                async with contextlib.aclosing(self.engine.stream(rid, start)) as agen:
+                    async for out in agen:
+                        q.put_nowait(out)
+                q.put_nowait(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - delivered to the handler
+                q.put_nowait(e)
+
+        n_gen, t_last, first_msg, outcome = 1, time.perf_counter(), True, "abort"
+        pump_task = None
         try:
             if stop is not None:  # the first token already completed a stop string
                 await self.engine.call(lambda e: e.release(rid))
                 outcome = "stop"
-                yield self._msg([], pending_text if request.detokenize else "", [], "stop", stop, wait_ms, n_gen)
+                yield self._msg([], pending_text if text_out else "", [], "stop", stop, wait_ms, n_gen)
                 return
-            agen = self.engine.stream(rid, start)
-            async with contextlib.aclosing(agen):  # leaving early aborts the engine request
-                try:
-                    async for out in agen:
-                        if out.finish_reason == "error":
-                            outcome = "error"
-                            raise RuntimeError(out.error or "engine error")
-                        now = time.perf_counter()
-                        if out.new_token_ids:
-                            self.metrics.itl.observe(now - t_last)
-                        t_last = now
-                        n_gen += len(out.new_token_ids)
-                        self._generated += len(out.new_token_ids)
-                        self.metrics.generation_tokens.inc(len(out.new_token_ids))
-                        text = pending_text
-                        pending_text = ""
-                        reason = out.finish_reason if out.finished else None
-                        if detok is not None:
-                            delta, stop = detok.step(out.new_token_ids) if out.new_token_ids else ("", None)
-                            text += delta
-                            if stop is not None:
-                                reason = "stop"
-                            elif out.finished:
-                                text += detok.flush()
-                        lps = [logprob_to_pb(lp, t) for lp, t in zip(out.logprobs, out.new_token_ids)
-                               if lp is not None] if out.logprobs else []
-                        yield self._msg(out.new_token_ids, text if request.detokenize else "", lps,
-                                        reason, stop or "", wait_ms if first_msg else 0.0, n_gen)
-                        first_msg = False
-                        if reason is not None:
-                            outcome = reason
-                            return  # aclosing aborts the engine request if it still runs
-                except InvalidRequestError as e:
+            pump_task = asyncio.get_running_loop().create_task(pump())
+            self._running[rid] = (pump_task, q)
+            while True:
+                out = await q.get()
+                if out is _END:
+                    raise RuntimeError("engine stream ended without a finished output")
+                if out is _ABORTED:
+                    yield self._msg([], "", [], "abort", "", 0.0, n_gen)
+                    return
+                if isinstance(out, InvalidRequestError):
                     outcome = "error"
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
+                if isinstance(out, BaseException):
+                    outcome = "error"
+                    raise RuntimeError(str(out)) from out
+                if out.finish_reason == "error":
+                    outcome = "error"
+                    raise RuntimeError(out.error or "engine error")
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    self.metrics.itl.observe(now - t_last)
+                t_last = now
+                n_gen += len(out.new_token_ids)
+                self._generated += len(out.new_token_ids)
+                self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                text, pending_text = pending_text, ""
+                reason = out.finish_reason if out.finished else None
+                if detok is not None:
+                    delta, stop = detok.step(out.new_token_ids) if out.new_token_ids else ("", None)
+                    text += delta
+                    if stop is not None:
+                        reason = "stop"
+                    elif out.finished:
+                        text += detok.flush()
+                lps = [logprob_to_pb(lp, t) for lp, t in zip(out.logprobs, out.new_token_ids)
+                       if lp is not None] if out.logprobs else []
+                yield self._msg(out.new_token_ids, text if text_out else "", lps, reason, stop or "",
+                                wait_ms if first_msg else 0.0, n_gen)
+                first_msg = False
+                if reason is not None:
+                    outcome = reason
+                    return
         finally:
+            if self._running.get(rid, (None,))[0] is pump_task:
+                self._running.pop(rid, None)
+            if pump_task is not None and not pump_task.done():
+                pump_task.cancel()  # closing the engine stream aborts the request
+                # NOTE: if add_prefilled was still queued, the abort below runs after it (FIFO)
+                asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
             self.metrics.requests.labels(outcome=outcome).inc()
 
     @staticmethod
@@ -199,9 +227,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 t.transfer_id, f"{why} by the caller{': ' + request.reason if request.reason else ''}"):
             self._reserved_tokens.pop(t.transfer_id, None)
             return True
-        task = self._running.get(rid)
-        if task is not None:
-            task.cancel()  # the Decode stream ends CANCELLED; its engine request is aborted
+        running = self._running.pop(rid, None)
+        if running is not None:
+            pump_task, q = running
+            pump_task.cancel()  # closes the engine stream: the engine request is aborted
+            q.put_nowait(_ABORTED)  # the Decode stream ends with FINISH_REASON_ABORT
+            await _abort_quietly(self.engine, rid)
             return True
         return False
 
@@ -212,6 +243,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return load_to_pb(self.engine.stats(), reserved=len(pending),
                           queued_tokens=sum(self._reserved_tokens.values()),
                           tokens_per_s=int(self._rate.update(self._generated)))
+
+
+_END = object()
+_ABORTED = object()
+
+
+async def _abort_quietly(engine, rid: str) -> None:
+    try:
+        await engine.call(lambda e: e.abort(rid))
+    except Exception:  # noqa: BLE001 - engine gone: nothing left to free
+        log.debug("abort of %s failed", rid, exc_info=True)
 
 
 class _Abort(Exception):

@@ -66,12 +66,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prompt = [int(t) for t in request.prompt_token_ids]
             ticket = request.ticket
             self.in_flight += 1
-            started = False
+            ok = False
             try:
                 first = None
                 try:
                     async for out in self.engine.generate(rid, prompt, params, prefill_only=True):
-                        started = True
                         if out.finish_reason == "error":
                             raise RuntimeError(out.error or "prefill failed in the engine")
                         if out.new_token_ids:
@@ -90,14 +89,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     self.metrics.kv_transfer_failures.labels(direction="send").inc()
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode failed: {e}")
                 t_sent = time.perf_counter()
+                ok = True
             except BaseException:
                 self.metrics.requests.labels(outcome="error").inc()
                 raise
             finally:
                 self.in_flight -= 1
-                if started:
-                    # NOTE: shielded so a cancelled RPC still frees the blocks (idempotent)
-                    await asyncio.shield(_release(self.engine, rid))
+                # NOTE: always, shielded: a cancelled RPC still frees the blocks. abort (not just
+                # release) on failure also drops a request whose add_request is still queued.
+                await asyncio.shield(_release(self.engine, rid, abort=not ok))
             self.metrics.observe_kv_transfer("send", nbytes, t_sent - t_first)
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.requests.labels(outcome="prefilled").inc()
@@ -118,8 +118,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return load_to_pb(st, tokens_per_s=int(self._rate.update(self._prompt_tokens)))
 
 
-async def _release(engine, rid: str) -> None:
+async def _release(engine, rid: str, abort: bool) -> None:
     try:
-        await engine.call(lambda e: e.release(rid))
+        await engine.call(lambda e: e.abort(rid) if abort else e.release(rid))
     except Exception:  # noqa: BLE001 - engine gone; nothing left to free
         log.warning("release of %s failed", rid, exc_info=True)

@@ -50,9 +50,24 @@ async def client(services):
     await c.close()
 
 
+_ENGINE = {}
+
+
+def _tokenizer():
+    return _colocated_engine().tokenizer
+
+
+def _colocated_engine():
+    if "e" not in _ENGINE:
+        _ENGINE["e"] = Engine(EngineConfig(
+            model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
+            cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
+    return _ENGINE["e"]
+
+
 def _colocated(prompts, params):
-    eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
-                              cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
+    eng = _colocated_engine()
+    assert not eng.has_unfinished()
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
     got = {str(i): [] for i in range(len(prompts))}
@@ -175,3 +190,54 @@ async def test_killed_decode_errors_within_seconds(services):
     finally:
         await c.close()
         dec.stop()
+
+
+async def test_abort_rpc_ends_stream_and_frees(client):
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    _, _, call = await client.start("abort-me", PROMPTS[0], params)
+    async for _m in call:
+        break
+    r = await client.decode.Abort(decode_pb2.ReleaseRequest(request_id="abort-me"), timeout=5)
+    assert r.found
+    msgs = [m async for m in call]
+    assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_ABORT
+    await _wait_idle(client)
+    r = await client.decode.Abort(decode_pb2.ReleaseRequest(request_id="abort-me"), timeout=5)
+    assert not r.found  # idempotent
+
+
+async def test_params_logprobs_text_pass_through(client):
+    want = _colocated([PROMPTS[1]], GREEDY)[0]
+    # stop at the 4th greedy token (by id): the engine must see the params prefill/decode got
+    stop_at = want[3]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,), logprobs=2)
+    _, pre, call = await client.start("lp", PROMPTS[1], params, detokenize=True)
+    assert pre.first_logprob.token_id == pre.first_token_id and len(pre.first_logprob.top) == 2
+    assert pre.num_prompt_tokens == len(PROMPTS[1])
+    toks, text, msgs = [pre.first_token_id], "", []
+    async for m in call:
+        toks += m.token_ids
+        text += m.text
+        msgs.append(m)
+    assert toks == want[:want.index(stop_at) + 1]
+    assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
+    assert sum(len(m.logprobs) for m in msgs) == len(toks) - 1
+    assert all(lp.top[0].logprob >= lp.top[1].logprob for m in msgs for lp in m.logprobs)
+    # streamed text deltas == a one-shot decode of the same ids
+    assert text == _tokenizer().decode(toks)
+    await _wait_idle(client)
+
+
+async def test_prefill_to_dead_decode_is_unavailable_and_frees(client):
+    res = await client.decode.Reserve(decode_pb2.ReserveRequest(request_id="lost", num_prompt_tokens=20))
+    ticket = common_pb2.TransferTicket()
+    ticket.CopyFrom(res.ticket)
+    ticket.decode_address = "127.0.0.1:1"  # nobody listens there
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="lost", prompt_token_ids=list(range(20)),
+            params=common_pb2.RequestParams(max_tokens=4), ticket=ticket), timeout=20)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "transfer" in e.value.details()
+    r = await client.decode.Release(decode_pb2.ReleaseRequest(request_id="lost"), timeout=5)
+    assert r.found
+    await _wait_idle(client)
