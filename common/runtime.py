@@ -41,6 +41,13 @@ def server_span(name: str, context, attributes: dict | None = None):
     return _tel.server_span(name, context.invocation_metadata() or (), attributes=attributes)
 
 
+def span(name: str, attributes: dict | None = None):
+    """INTERNAL span under the current one (no-op without telemetry)."""
+    if _tel is None:
+        return contextlib.nullcontext(None)
+    return _tel.span(name, attributes=attributes)
+
+
 def trace_metadata() -> tuple:
     """Metadata carrying the current trace context to a downstream call."""
     return _tel.inject_metadata() if _tel is not None else ()

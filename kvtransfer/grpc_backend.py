@@ -39,6 +39,15 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
         self.receiver = receiver
 
     async def PushKV(self, request_iterator, context):
+        from common.runtime import server_span, set_span_attrs
+
+        with server_span("kv.receive", context, {"splitserve.kv.backend": "grpc"}) as sp:
+            ack = await self._push(request_iterator)
+            set_span_attrs(sp, {"splitserve.kv.bytes": ack.bytes_received, "splitserve.ok": ack.ok,
+                                "splitserve.kv.layers": ack.layers_received})
+            return ack
+
+    async def _push(self, request_iterator):
         rx = self.receiver
         tid = None
         committed = False

@@ -14,7 +14,7 @@ import time
 import grpc
 
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
-from common.runtime import Rate, server_span, set_span_attrs, trace_metadata
+from common.runtime import Rate, server_span, set_span_attrs, span, trace_metadata
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVLayout, TransferError, send_blocks
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -82,9 +82,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 t_first = time.perf_counter()
                 kv = await self.engine.call(lambda e: e.export_kv(rid))
                 try:
-                    nbytes = await send_blocks(self.sender, ticket.decode_address, ticket.transfer_id,
-                                               rid, kv, self.layout, self.transfer_timeout_s,
-                                               trace_metadata())
+                    with span("kv.send", {"splitserve.kv.backend": "grpc",
+                                          "splitserve.kv.blocks": kv.num_blocks}):
+                        nbytes = await send_blocks(self.sender, ticket.decode_address, ticket.transfer_id,
+                                                   rid, kv, self.layout, self.transfer_timeout_s,
+                                                   trace_metadata())
                 except TransferError as e:
                     self.metrics.kv_transfer_failures.labels(direction="send").inc()
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode failed: {e}")
