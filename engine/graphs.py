@@ -76,11 +76,12 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
-        # warm up (Triton autotune / compile) outside capture on a side stream
+        # Warm up every bucket outside capture, on a side stream: Triton specializes kernels
+        # on argument values (e.g. divisibility by 16), and compiling inside a capture fails.
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
-            for b in (self.buckets[-1], 1):
+            for b in reversed(self.buckets):
                 self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(s)
         torch.cuda.synchronize(self.device)
