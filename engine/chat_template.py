@@ -41,6 +41,15 @@ def compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not parse: {e}") from None
 
 
+def _flatten_text_parts(m: dict) -> dict:
+    """OpenAI-style content [{"type": "text", "text": ...}, ...] -> one string, when every
+    part is text (text-only templates concatenate strings); other content is left alone."""
+    c = m.get("content")
+    if isinstance(c, list) and c and all(isinstance(p, dict) and p.get("type") == "text" for p in c):
+        return {**m, "content": "".join(str(p.get("text", "")) for p in c)}
+    return m
+
+
 def render(source: str, messages: list[dict], add_generation_prompt: bool, **context) -> str:
     """context: bos_token, eos_token, tools, ... passed to the template as variables."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -48,6 +57,7 @@ def render(source: str, messages: list[dict], add_generation_prompt: bool, **con
     for i, m in enumerate(messages):
         if "role" not in m:
             raise ChatTemplateError(f"message {i} has no 'role'")
+    messages = [_flatten_text_parts(m) for m in messages]
     tpl = compile_template(source)
     try:
         return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)

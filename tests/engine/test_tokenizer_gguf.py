@@ -89,3 +89,8 @@ def test_default_template_without_own():
     tok = Tokenizer.byte_level(512, bos_token_id=256, eos_token_ids=(257,))
     out = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert out == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_text_parts_content_flattened(ours):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    assert ours.apply_chat_template(parts) == ours.apply_chat_template(CHATS[0])
