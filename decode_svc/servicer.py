@@ -92,6 +92,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             wait_s = request.transfer_timeout_ms / 1e3 if request.transfer_timeout_ms else self.transfer_timeout_s
             try:
                 await self.receiver.wait(tid, wait_s)
+                transfer = self.receiver.claim(tid)  # from here the engine request owns the blocks
+            except KeyError as e:  # a second Decode for one transfer, or it expired meanwhile
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
             except TransferError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except (asyncio.TimeoutError, TimeoutError):
@@ -101,10 +104,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except asyncio.CancelledError:
                 self.receiver.fail(tid, "Decode cancelled while waiting for the KV")
                 raise
-            transfer = self.receiver.claim(tid)  # from here the engine request owns the blocks
             self._reserved_tokens.pop(tid, None)
             wait_ms = (time.perf_counter() - t0) * 1e3
-            self.metrics.observe_kv_transfer("recv", transfer.bytes_moved, transfer.duration_s)
+            self.metrics.observe_kv_transfer("recv", transfer.bytes_moved, transfer.transfer_s)
             set_span_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved,
                                 "splitserve.kv.wait_ms": wait_ms})
             try:

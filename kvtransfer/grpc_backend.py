@@ -152,6 +152,8 @@ class GrpcSendTransfer(SendTransfer):
                         ch.k_scale = float(ks)
                     if vs is not None:
                         ch.v_scale = float(vs)
+                if self.record.started_at is None:
+                    self.record.started_at = time.monotonic()
                 self.record.state = TransferState.TRANSFERRING
                 self.record.bytes_moved += len(ch.data)
                 yield ch

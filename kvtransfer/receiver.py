@@ -93,7 +93,9 @@ class KVReceiver:
 
     def claim(self, transfer_id: str) -> Transfer:
         """The caller takes over a DONE transfer's blocks: no expiry, no release from here."""
-        t = self._transfers[transfer_id]
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            raise KeyError(f"unknown transfer {transfer_id!r} (already claimed, or expired)")
         if t.state is not TransferState.DONE:
             raise TransferError(f"transfer {transfer_id} is {t.state.value}, not done")
         t.claimed = True
@@ -143,6 +145,8 @@ class KVReceiver:
 
     def on_data(self, transfer_id: str, nbytes: int) -> None:
         t = self.check_open(transfer_id)
+        if t.started_at is None:
+            t.started_at = time.monotonic()
         t.state = TransferState.TRANSFERRING
         t.bytes_moved += nbytes
 

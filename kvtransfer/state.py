@@ -89,10 +89,20 @@ class Transfer:
     num_blocks: int | None = None       # blocks per layer seen (all layers must agree)
     k_scales: dict[int, float] = field(default_factory=dict)
     v_scales: dict[int, float] = field(default_factory=dict)
+    started_at: float | None = None     # first byte moved
     finished_at: float | None = None
     claimed: bool = False               # receiver: the decode request took over the blocks
 
     @property
     def duration_s(self) -> float:
+        """Reservation (or open) until done/failed (or now)."""
         end = self.finished_at if self.finished_at is not None else time.monotonic()
         return end - self.created
+
+    @property
+    def transfer_s(self) -> float:
+        """First byte until done/failed (or now): the wire time, without waiting for prefill."""
+        if self.started_at is None:
+            return 0.0
+        end = self.finished_at if self.finished_at is not None else time.monotonic()
+        return end - self.started_at

@@ -66,7 +66,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prompt = [int(t) for t in request.prompt_token_ids]
             ticket = request.ticket
             self.in_flight += 1
-            ok = False
+            ok, added = False, True  # added: the engine may hold the request (free it after)
             try:
                 first = None
                 try:
@@ -75,8 +75,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                             raise RuntimeError(out.error or "prefill failed in the engine")
                         if out.new_token_ids:
                             first = out
-                except InvalidRequestError as e:
+                except InvalidRequestError as e:  # refused by add_request: nothing held
+                    added = False  # NOTE: e.g. a duplicate id; freeing "rid" would hit the other one
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except RuntimeError as e:  # engine error or engine thread died
+                    await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
                 if first is None:
                     await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
                 t_first = time.perf_counter()
@@ -99,7 +102,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.in_flight -= 1
                 # NOTE: always, shielded: a cancelled RPC still frees the blocks. abort (not just
                 # release) on failure also drops a request whose add_request is still queued.
-                await asyncio.shield(_release(self.engine, rid, abort=not ok))
+                if added:
+                    await asyncio.shield(_release(self.engine, rid, abort=not ok))
             self.metrics.observe_kv_transfer("send", nbytes, t_sent - t_first)
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.requests.labels(outcome="prefilled").inc()

@@ -241,3 +241,15 @@ async def test_prefill_to_dead_decode_is_unavailable_and_frees(client):
     r = await client.decode.Release(decode_pb2.ReleaseRequest(request_id="lost"), timeout=5)
     assert r.found
     await _wait_idle(client)
+
+
+async def test_second_decode_for_one_transfer_is_not_found(client):
+    ticket, pre, call = await client.start("twice", PROMPTS[0], GREEDY)
+    _ = [m async for m in call]
+    again = client.decode.Decode(decode_pb2.DecodeRequest(
+        request_id="twice", transfer_id=ticket.transfer_id, prompt_token_ids=PROMPTS[0],
+        first_token_id=pre.first_token_id, params=common_pb2.RequestParams(max_tokens=3)), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        _ = [m async for m in again]
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    await _wait_idle(client)
