@@ -1,0 +1,79 @@
+"""Where text matters: the embedded SmolLM2-135M-Instruct through the three real processes.
+Greedy text through gRPC (raw prompt), REST chat (openai client, stream and not) equals the
+engine's own greedy output; a stop string cuts the text exactly where it first appears."""
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from protos import generate_pb2, generate_pb2_grpc
+from tests.e2e import stack as st
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+ARGS = ["--model", "default", "--dtype", "fp32", "--device", "cpu", "--max-model-len", "512",
+        "--num-blocks", "64", "--enforce-eager"]
+MODEL = "SmolLM2-135M-Instruct"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def services():
+    s = st.start_stack(ARGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(model=ModelConfig("default", dtype="fp32", max_model_len=512),
+                               cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
+
+
+def engine_text(eng, ids, max_tokens=N) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    eng.add_request(f"r{len(ids)}-{ids[-1]}", ids, params)
+    out = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out += o.new_token_ids
+    return eng.tokenizer.decode(out)
+
+
+async def test_grpc_prompt_text_equals_engine(services, engine):
+    prompt = "The capital of France is"
+    want = engine_text(engine, engine.tokenizer.encode(prompt, add_special_tokens=True))
+    async with grpc.aio.insecure_channel(services.grpc_address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        resps = [r async for r in stub.Generate(generate_pb2.GenerateRequest(
+            prompt=prompt, max_tokens=N, sampling=generate_pb2.SamplingParams(temperature=0.0)))]
+        got = "".join(r.text for r in resps)
+        assert got == want, services.logs()
+        assert len(resps) > 1
+        # a stop string taken from the middle of the output cuts the text right before it
+        words = want.split()
+        if len(words) >= 3:
+            stop = words[2]
+            resps = [r async for r in stub.Generate(generate_pb2.GenerateRequest(
+                prompt=prompt, max_tokens=N, stop=[stop],
+                sampling=generate_pb2.SamplingParams(temperature=0.0)))]
+            assert "".join(r.text for r in resps) == want[:want.index(stop)]
+            assert resps[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
+            assert resps[-1].stop_reason == stop
+
+
+def test_openai_chat_text_equals_engine(services, engine):
+    msgs = [{"role": "user", "content": "Say hello in French."}]
+    tok = engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+    want = engine_text(engine, ids)
+    c = openai.OpenAI(base_url=services.http_url + "/v1", api_key="none", timeout=60)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(ids)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=N, temperature=0, stream=True) if ch.choices)
+    assert streamed == want
