@@ -31,6 +31,9 @@ def save_tiny_hf(kind: str, path: str, seed: int = 0):
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True, rope_theta=1e6)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "llama-bias":  # attention_bias: q/k/v *and* o_proj biases in HF Llama
+        cfg = transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=True, attention_bias=True)
+        model = transformers.LlamaForCausalLM(cfg)
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**TINY_COMMON, tie_word_embeddings=False, rope_theta=1e4,
                                          sliding_window=None)
@@ -50,9 +53,9 @@ def save_tiny_hf(kind: str, path: str, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def tiny_hf_dirs(tmp_path_factory):
-    """kind -> (hf_model, dir) for llama / qwen2 / mistral, built once per session."""
+    """kind -> (hf_model, dir) for llama / qwen2 / mistral / llama-bias, built once per session."""
     out = {}
-    for kind in ("llama", "qwen2", "mistral"):
+    for kind in ("llama", "qwen2", "mistral", "llama-bias"):
         d = str(tmp_path_factory.mktemp(f"tiny-{kind}"))
         out[kind] = (save_tiny_hf(kind, d), d)
     return out

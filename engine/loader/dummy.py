@@ -62,8 +62,10 @@ def weight_shapes(a: ModelArch) -> list[tuple[str, tuple[int, ...]]]:
             out += [(p + "self_attn.q_proj.bias", (a.q_size,)),
                     (p + "self_attn.k_proj.bias", (a.kv_size,)),
                     (p + "self_attn.v_proj.bias", (a.kv_size,))]
-        out += [(p + "self_attn.o_proj.weight", (h, a.q_size)),
-                (p + "post_attention_layernorm.weight", (h,)),
+        out += [(p + "self_attn.o_proj.weight", (h, a.q_size))]
+        if a.o_proj_bias:
+            out.append((p + "self_attn.o_proj.bias", (h,)))
+        out += [(p + "post_attention_layernorm.weight", (h,)),
                 (p + "mlp.gate_proj.weight", (i, h)),
                 (p + "mlp.up_proj.weight", (i, h)),
                 (p + "mlp.down_proj.weight", (h, i))]

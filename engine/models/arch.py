@@ -30,7 +30,7 @@ class ModelArch:
     rope_scaling: dict | None  # {"rope_type": "llama3"|"linear", "factor": ..., ...} or None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # qwen2: True (bias on q/k/v projections)
+    attention_bias: bool  # qwen2: True (bias on q/k/v); llama with attention_bias: o_proj too
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -52,6 +52,11 @@ class ModelArch:
 
     # ---- derived sizes ----------------------------------------------------------------
     @property
+    def o_proj_bias(self) -> bool:
+        # HF Llama/Mistral's attention_bias covers o_proj as well; Qwen2 biases q/k/v only
+        return self.attention_bias and self.arch != "qwen2"
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -62,6 +67,10 @@ class ModelArch:
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += self.q_size + 2 * self.kv_size
+        if self.o_proj_bias:
+            per_layer += h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
@@ -82,6 +91,11 @@ class ModelArch:
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu / SwiGLU)")
+        if cfg.get("mlp_bias"):
+            raise ValueError("unsupported: mlp_bias=true")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         # transformers >= 5 writes rope_parameters (theta inside); older files use

@@ -43,7 +43,7 @@ class Attention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.qkv_proj = MergedLinear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
                                      bias=arch.attention_bias, dtype=dtype)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=False, dtype=dtype)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype)
         self.backend = backend
 
     def forward(self, rope, x, kv_cache, meta, kv_scales):
@@ -202,6 +202,8 @@ class CausalLM(torch.nn.Module):
                "mlp.down_proj.weight"]
         if a.attention_bias:
             per += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if a.o_proj_bias:
+            per.append("self_attn.o_proj.bias")
         for i in range(a.num_layers):
             keys.update(f"model.layers.{i}.{p}" for p in per)
         return keys

@@ -49,6 +49,16 @@ def test_unsupported_architecture(tmp_path):
         _load(str(tmp_path))
 
 
+@pytest.mark.parametrize("extra", [{"hidden_act": "gelu"}, {"mlp_bias": True}])
+def test_unsupported_variants(tiny_hf_dirs, tmp_path, extra):
+    d = _copy_dir(tiny_hf_dirs["llama"][1], tmp_path)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg.update(extra)
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ModelLoadError, match="unsupported"):
+        _load(d)
+
+
 def test_unsupported_rope_scaling(tiny_hf_dirs, tmp_path):
     d = _copy_dir(tiny_hf_dirs["llama"][1], tmp_path)
     cfg = json.load(open(os.path.join(d, "config.json")))

@@ -60,6 +60,8 @@ def test_dummy_shape_sizes():
         assert abs(a.num_params() - n) / n < 0.01, name
         assert sum(torch.Size(s).numel() for _, s in weight_shapes(a)) == a.num_params()
     assert SHAPES["llama-3.1-8b"].rope_scaling["rope_type"] == "llama3"
+    for a in SHAPES.values():  # biases (tiny-qwen2) counted too
+        assert sum(torch.Size(s).numel() for _, s in weight_shapes(a)) == a.num_params()
 
 
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])

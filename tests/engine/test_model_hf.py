@@ -16,7 +16,7 @@ BS = 16
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "llama-bias"])
 def pair(request, tiny_hf_dirs):
     hf, path = tiny_hf_dirs[request.param]
     loaded = load_model(ModelConfig(model=path), "cpu", torch.float32)
@@ -35,10 +35,11 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def test_arch_from_config(pair):
     _, _, arch, kind, _ = pair
-    assert arch.arch == kind
+    assert arch.arch == kind.removesuffix("-bias")
     assert (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (2, 4, 2, 16)
-    assert arch.attention_bias == (kind == "qwen2")
-    assert arch.tie_word_embeddings == (kind == "qwen2")
+    assert arch.attention_bias == (kind in ("qwen2", "llama-bias"))
+    assert arch.o_proj_bias == (kind == "llama-bias")
+    assert arch.tie_word_embeddings == (kind in ("qwen2", "llama-bias"))
     if kind == "llama":
         assert arch.rope_scaling["rope_type"] == "llama3"
         assert arch.rope_theta == 10000.0
