@@ -110,8 +110,15 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     await set_serving(hs, names, True)
     write_ready_file(args.ready_file, port, mport)
     log.info("%s serving on %s:%d (metrics port %s)", service, args.host, port, mport)
+    rc = 0
     try:
-        await wait_for_signal()
+        # a dead engine thread ends the process (exit 1) so a supervisor restarts it
+        sig = asyncio.ensure_future(wait_for_signal())
+        done, _ = await asyncio.wait({sig, updater}, return_when=asyncio.FIRST_COMPLETED)
+        if updater in done:
+            log.error("%s: engine thread died (%s); stopping", service, updater.result())
+            rc = 1
+        sig.cancel()
     finally:
         log.info("%s stopping", service)
         await set_serving(hs, names, False)
@@ -127,12 +134,16 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
         if _tel is not None:
             with contextlib.suppress(Exception):
                 _tel.shutdown_tracing()
-    return 0
+    return rc
 
 
-async def _update_metrics(metrics, engine, interval_s: float = 1.0) -> None:
+async def _update_metrics(metrics, engine, interval_s: float = 1.0) -> str:
+    """Refresh gauges from engine stats; returns (ending the service) if the engine died."""
     while True:
         await asyncio.sleep(interval_s)
+        dead = getattr(engine, "_dead", None)  # AsyncEngine records the thread's crash here
+        if dead is not None:
+            return repr(dead)
         try:
             metrics.update_from_engine_stats(engine.stats())
         except Exception:  # noqa: BLE001 - metrics must never take the service down

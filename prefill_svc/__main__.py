@@ -44,9 +44,9 @@ async def amain(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    setup_logging(args.log_level, "prefill")
     try:
+        args = parse_args(argv)  # SPLITSERVE_* defaults are read (and checked) here
+        setup_logging(args.log_level, "prefill")
         return run(lambda: amain(args))
     except (ConfigError, ValueError) as e:  # bad flags, model that cannot load (ModelLoadError)
         print(f"prefill_svc: cannot start: {e}", file=sys.stderr)

@@ -1,0 +1,50 @@
+"""Service configuration: SPLITSERVE_* env defaults, flags win, bad values fail with a clear
+message (and a bad flag makes the service exit 2 before loading anything)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from common.envs import EnvError, env_bool, env_int
+from common.service_args import engine_config_from_args
+from engine.config import ConfigError
+from prefill_svc.__main__ import parse_args as prefill_args
+from decode_svc.__main__ import parse_args as decode_args
+from tests.services.procs import ROOT
+
+
+def test_env_defaults_and_flags_win(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_MODEL", "dummy:tiny-qwen2")
+    monkeypatch.setenv("SPLITSERVE_BLOCK_SIZE", "32")
+    monkeypatch.setenv("SPLITSERVE_ENFORCE_EAGER", "true")
+    a = prefill_args(["--max-num-seqs", "4"])
+    cfg = engine_config_from_args(a)
+    assert cfg.model.model == "dummy:tiny-qwen2" and cfg.cache.block_size == 32
+    assert cfg.device.enforce_eager and cfg.scheduler.max_num_seqs == 4
+    assert cfg.cache.enable_prefix_caching
+    a = decode_args(["--block-size", "16", "--kv-cache-dtype", "fp8_e4m3", "--num-blocks", "10"])
+    cfg = engine_config_from_args(a, prefix_caching=False)
+    assert cfg.cache.block_size == 16 and cfg.cache.kv_cache_dtype == "fp8_e4m3"
+    assert cfg.cache.num_blocks == 10 and not cfg.cache.enable_prefix_caching
+    assert a.host == "127.0.0.1" and a.port == 50071 and a.metrics_port is None
+
+
+def test_bad_values_are_named(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_NUM_BLOCKS", "lots")
+    with pytest.raises(EnvError, match="SPLITSERVE_NUM_BLOCKS"):
+        env_int("SPLITSERVE_NUM_BLOCKS")
+    monkeypatch.setenv("SPLITSERVE_ENFORCE_EAGER", "maybe")
+    with pytest.raises(EnvError, match="boolean"):
+        env_bool("SPLITSERVE_ENFORCE_EAGER")
+    monkeypatch.delenv("SPLITSERVE_NUM_BLOCKS")
+    monkeypatch.delenv("SPLITSERVE_ENFORCE_EAGER")
+    with pytest.raises(ConfigError, match="block_size"):
+        engine_config_from_args(prefill_args(["--block-size", "7"]))
+
+
+def test_bad_flag_exits_2_with_message():
+    r = subprocess.run([sys.executable, "-m", "decode_svc", "--block-size", "7", "--model",
+                        "dummy:tiny-llama"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "block_size must be 16 or 32" in r.stderr
