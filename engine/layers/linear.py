@@ -25,9 +25,6 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def load(self, param_name: str, tensor: torch.Tensor) -> None:
-        _copy(getattr(self, param_name), tensor, f"{param_name}")
-
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along out_features, e.g. q|k|v or
