@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from common.grpc_util import channel_options
-from engine.kv_blocks import DTYPE_NAMES, KVBlocks
+from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES
 from kvtransfer.base import KVSender, SendTransfer
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.state import KVLayout, Transfer, TransferError, TransferState
@@ -93,7 +93,8 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
                 bufs[li] = (buf, end, shape, dtype, ks, vs)
                 if end == len(buf):
                     del bufs[li]
-                    t = KVBlocks.layer_from_bytes(buf, shape, dtype)
+                    # the tensor takes over buf (no copy); buf is not touched again
+                    t = torch.frombuffer(buf, dtype=torch.uint8).view(NAME_DTYPES[dtype]).reshape(shape)
                     await rx.on_layer(tid, li, t, ks, vs)
             if not committed:
                 raise TransferError("stream ended before commit (sender died?)")
