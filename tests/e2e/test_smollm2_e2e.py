@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from protos import generate_pb2, generate_pb2_grpc
 from tests.e2e import stack as st
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 ARGS = ["--model", "default", "--dtype", "fp32", "--device", "cpu", "--max-model-len", "512",
         "--num-blocks", "64", "--enforce-eager"]
 MODEL = "SmolLM2-135M-Instruct"
