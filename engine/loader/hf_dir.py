@@ -147,7 +147,10 @@ def load_hf_dir(path: str, device: str, dtype: torch.dtype):
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         from engine.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_hf_dir(path, eos_token_ids=arch.eos_token_ids, bos_token_id=arch.bos_token_id)
+        try:
+            tok = Tokenizer.from_hf_dir(path, eos_token_ids=arch.eos_token_ids, bos_token_id=arch.bos_token_id)
+        except Exception as e:  # tokenizers raises its own Exception type on a bad file
+            raise ModelLoadError(f"{path}: cannot load tokenizer.json / tokenizer_config.json: {e}") from None
     else:
         log.warning("%s has no tokenizer.json: serving token ids only", path)
     return arch, iter_weights(files, device, dtype, total), tok

@@ -125,3 +125,10 @@ def test_non_gguf_file(tmp_path):
 def test_unknown_dummy_shape():
     with pytest.raises(ModelLoadError, match="tiny-llama"):
         _load("dummy:gpt-5")
+
+
+def test_corrupt_tokenizer_json(tiny_hf_dirs, tmp_path):
+    d = _copy_dir(tiny_hf_dirs["llama"][1], tmp_path)
+    open(os.path.join(d, "tokenizer.json"), "w").write('{"version": "1.0", "model": 42}')
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        _load(d)
