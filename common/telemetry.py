@@ -197,6 +197,11 @@ def extract_context(metadata) -> otel_context.Context:
     return propagate.extract(metadata, getter=_MetadataGetter())
 
 
+def has_trace_context(metadata) -> bool:
+    """Whether gRPC metadata / headers carry a W3C traceparent."""
+    return metadata is not None and any(k.lower() == "traceparent" for k, _ in _pairs(metadata))
+
+
 def current_trace_id() -> str | None:
     sc = trace.get_current_span().get_span_context()
     return f"{sc.trace_id:032x}" if sc.is_valid else None

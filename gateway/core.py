@@ -222,7 +222,9 @@ class GatewayCore:
                 task.cancel()
 
     async def _run(self, req: GenRequest, metadata, q: asyncio.Queue) -> None:
-        ctx = telemetry.extract_context(metadata) if metadata is not None else None
+        # NOTE: without an incoming traceparent keep the current context (e.g. the HTTP server's
+        # span) instead of starting from an empty one
+        ctx = telemetry.extract_context(metadata) if telemetry.has_trace_context(metadata) else None
         outcome = "error"
         self.num_active += 1
         self.metrics.running.inc()
