@@ -4,8 +4,9 @@ Prediction (per candidate replica pair, see `Predictor`):
     TTFT = (queued prefill tokens on the replica + tokens the gateway already sent there
             + this prompt) / prefill rate  +  transfer estimate  +  fixed overhead
     TPOT = decode step time at the replica's batch size + 1, inflated as KV usage nears full
-Rates are EWMAs fed by Load RPCs (tokens_per_s, mean_step_ms) and by the gateway's own
-observations of finished prefills / decode token gaps.
+Rates are EWMAs of the gateway's own observations (prefill compute time per prompt token
+from PrefillResponse timings, decode token gaps); Load RPCs add queue lengths, batch sizes,
+KV usage, measured step times, and a throughput floor for the prefill rate.
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
 at all means "admit whenever there is room"):
@@ -116,10 +117,13 @@ class Predictor:
     # ---- predictions
     def prefill_ms(self, prefill: LoadView, num_tokens: int) -> tuple[float, float]:
         """-> (predicted ms until this prompt's first token, same on an idle replica)."""
-        rate = prefill.tokens_per_s if prefill.tokens_per_s and prefill.tokens_per_s > 0 \
-            else self.prefill_rate.value
+        # NOTE: a replica's tokens_per_s is recent *throughput* (low when idle), not capacity;
+        # it only raises the estimate (a saturated replica proves at least that rate)
+        rate = max(self.prefill_rate.value, prefill.tokens_per_s or 0.0)
         transfer = self.transfer_per_token.value * num_tokens
         idle = num_tokens / rate * 1e3 + transfer + self.cfg.overhead_ms
+        # NOTE: a prompt the gateway sent is counted both in inflight_tokens and, once the replica
+        # queued it, in the next polled queued_tokens: conservative (over-predicts) by design
         ahead = prefill.queued_tokens + prefill.inflight_tokens
         return ahead / rate * 1e3 + idle, idle
 
@@ -127,6 +131,9 @@ class Predictor:
         base = self.decode_step.value
         batch = max(decode.running, decode.inflight_requests) + 1
         tpot = base * (1 + self.cfg.batch_slowdown * (batch - 1))
+        if decode.mean_step_ms and decode.running > 0:
+            # measured at the current batch size: one more sequence adds one slowdown step
+            tpot = max(tpot, decode.mean_step_ms * (1 + self.cfg.batch_slowdown))
         # near-full KV means preemption / waiting: inflate steeply above the watermark
         if decode.kv_usage > self.cfg.kv_high_watermark:
             tpot *= 1 + 10 * (decode.kv_usage - self.cfg.kv_high_watermark)

@@ -21,8 +21,9 @@ def test_prediction_scales_with_queued_tokens_and_rate():
     assert busy.idle_ttft_ms == pytest.approx(100.0)
     # the gateway's own in-flight tokens count like queued ones
     assert p.predict(LoadView(inflight_tokens=400), LoadView(), 100).ttft_ms == pytest.approx(500.0)
-    # a replica's reported rate wins over the prior
-    assert p.predict(LoadView(tokens_per_s=100.0), LoadView(), 100).ttft_ms == pytest.approx(1000.0)
+    # a replica's reported throughput only raises the rate (low throughput when idle is no signal)
+    assert p.predict(LoadView(tokens_per_s=100.0), LoadView(), 100).ttft_ms == pytest.approx(100.0)
+    assert p.predict(LoadView(tokens_per_s=10000.0), LoadView(), 100).ttft_ms == pytest.approx(10.0)
 
 
 def test_observed_prefill_rate_moves_the_estimate():
@@ -40,6 +41,9 @@ def test_tpot_grows_with_batch_and_kv_pressure():
     t10, _ = p.tpot_ms(LoadView(running=9))
     tfull, _ = p.tpot_ms(LoadView(running=9, kv_usage=0.99))
     assert t1 == pytest.approx(10.0) and t10 == pytest.approx(19.0) and tfull > t10
+    # a measured step time at the current batch wins when it is slower than the model
+    t_meas, _ = p.tpot_ms(LoadView(running=4, mean_step_ms=50.0))
+    assert t_meas == pytest.approx(55.0)
     assert p.predict(LoadView(), LoadView(num_free_blocks=0), 10).decode_full
 
 
