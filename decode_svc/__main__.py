@@ -46,11 +46,12 @@ async def amain(args) -> int:
         layout = KVLayout(num_layers=info["num_layers"], num_kv_heads=info["num_kv_heads"],
                           head_dim=info["head_dim"], dtype=info["kv_dtype"],
                           block_size=info["block_size"])
-        rx = KVReceiver(EngineKVSink(engine, layout.block_size), layout,
+        owner: dict[str, str] = {}  # request id -> transfer id (see EngineKVSink)
+        rx = KVReceiver(EngineKVSink(engine, layout.block_size, owner), layout,
                         default_timeout_s=args.reservation_timeout_s)
         svc = DecodeServicer(engine, rx, runtime.get_metrics("decode"),
                              reservation_timeout_s=args.reservation_timeout_s,
-                             transfer_timeout_s=args.transfer_timeout_s)
+                             transfer_timeout_s=args.transfer_timeout_s, owner=owner)
         holder.update(svc=svc, rx=rx)
         decode_pb2_grpc.add_DecodeServicer_to_server(svc, server)
         kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(rx), server)

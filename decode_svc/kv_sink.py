@@ -12,9 +12,13 @@ from engine.kv_blocks import DTYPE_NAMES, KVBlocks
 
 
 class EngineKVSink:
-    def __init__(self, engine, block_size: int):
+    def __init__(self, engine, block_size: int, owner: dict[str, str] | None = None):
         self.engine = engine  # AsyncEngine
         self.block_size = block_size
+        # owner[request_id] -> transfer id holding that request's reservation now (shared with
+        # DecodeServicer, written on the event loop only). Read on the engine thread when a
+        # release runs, so a release queued before a newer Reserve of the id is skipped.
+        self.owner = owner
 
     async def write_layer(self, request_id: str, layer_idx: int, tensor: torch.Tensor,
                           num_tokens: int) -> None:
@@ -27,5 +31,14 @@ class EngineKVSink:
         blocks = KVBlocks(self.block_size, 0, "fp8_e4m3", [], list(k_scales), list(v_scales))
         await self.engine.call(lambda e: e.import_kv(request_id, blocks))
 
-    async def release(self, request_id: str) -> None:
-        await self.engine.call(lambda e: e.release(request_id))
+    async def release(self, request_id: str, transfer_id: str) -> None:
+        owner = self.owner
+
+        def fn(e):
+            cur = owner.get(request_id) if owner is not None else None
+            if cur is None or cur == transfer_id:  # never free a newer reservation of the id
+                e.release(request_id)
+
+        await self.engine.call(fn)
+        if owner is not None and owner.get(request_id) == transfer_id:
+            owner.pop(request_id, None)  # back on the event loop: the reservation is gone

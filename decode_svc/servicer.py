@@ -31,7 +31,8 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine, receiver: KVReceiver, metrics, *, address: str = "",
-                 reservation_timeout_s: float = 30.0, transfer_timeout_s: float = 30.0):
+                 reservation_timeout_s: float = 30.0, transfer_timeout_s: float = 30.0,
+                 owner: dict[str, str] | None = None):
         self.engine = engine              # AsyncEngine
         self.receiver = receiver
         self.metrics = metrics
@@ -40,6 +41,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self._reserved_tokens: dict[str, int] = {}  # transfer id -> prompt tokens
         self._running: dict[str, tuple] = {}  # request id -> (pump task, its output queue)
+        # request id -> transfer id of its current (unclaimed) reservation; read by the sink
+        self.owner: dict[str, str] = owner if owner is not None else {}
         self._rate = Rate()
         self._generated = 0
 
@@ -49,20 +52,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         with server_span("decode.reserve", context, {"splitserve.request_id": rid}):
             if not rid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-            if self.receiver.find_request(rid) is not None or rid in self._running:
+            if rid in self._running:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"request id {rid!r} already has a reservation")
+                                    f"request id {rid!r} is already decoding")
+            # A Reserve for an id that holds an unclaimed reservation is a retry (e.g. the
+            # gateway moved to another prefill replica): the new one replaces the old.
+            # NOTE: ownership moves to the new transfer id *before* anything is queued on the
+            # engine, so a late release of the old transfer is skipped (EngineKVSink checks
+            # `owner`), and the stale blocks are freed here, in order before the new reserve.
+            old = self.receiver.find_request(rid)
+            if old is not None:
+                self.receiver.fail(old.transfer_id, "replaced by a new Reserve", release=False)
+                self._reserved_tokens.pop(old.transfer_id, None)
+            tid = uuid.uuid4().hex
+            self.owner[rid] = tid
+
+            def reserve(e):
+                if rid in getattr(e, "requests", {}):
+                    raise InvalidRequestError(f"request id {rid!r} is already in use")
+                if e.kv.block_ids(rid):
+                    e.release(rid)  # a failed/replaced earlier reservation of this id
+                return e.reserve(rid, n)
+
             try:
-                blocks = await self.engine.call(lambda e: e.reserve(rid, n))
+                blocks = await self.engine.call(reserve)
             except (InvalidRequestError, ValueError) as e:
+                self._disown(rid, tid)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if blocks is None:
+                self._disown(rid, tid)
                 st = self.engine.stats()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"no room for {n} prompt tokens: {st.get('num_free_blocks')} of "
                                     f"{st.get('num_blocks')} KV blocks free")
             timeout = request.timeout_ms / 1e3 if request.timeout_ms else self.reservation_timeout_s
-            tid = uuid.uuid4().hex
             self.receiver.expect(tid, rid, len(blocks), n, timeout)
             self._reserved_tokens[tid] = n
             lay = self.receiver.layout
@@ -71,6 +94,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 block_size=lay.block_size, num_tokens=n, expires_ms=int(timeout * 1e3),
                 layout=common_pb2.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                                            head_dim=lay.head_dim, dtype=lay.dtype)))
+
+    def _disown(self, rid: str, tid: str) -> None:
+        if self.owner.get(rid) == tid:
+            self.owner.pop(rid, None)
 
     # ---- Decode -----------------------------------------------------------------------
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
@@ -105,6 +132,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.receiver.fail(tid, "Decode cancelled while waiting for the KV")
                 raise
             self._reserved_tokens.pop(tid, None)
+            self._disown(rid, tid)
             wait_ms = (time.perf_counter() - t0) * 1e3
             self.metrics.observe_kv_transfer("recv", transfer.bytes_moved, transfer.transfer_s)
             set_span_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved,

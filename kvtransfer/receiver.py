@@ -34,7 +34,9 @@ class KVSink(Protocol):
     async def write_scales(self, request_id: str, k_scales: list[float],
                            v_scales: list[float]) -> None: ...
 
-    async def release(self, request_id: str) -> None: ...
+    async def release(self, request_id: str, transfer_id: str) -> None:
+        """Free the blocks reserved for this transfer. NOTE: a request id can be reserved
+        again (a retry) after a transfer failed; the sink must not free a newer reservation."""
 
 
 class KVReceiver:
@@ -69,8 +71,9 @@ class KVReceiver:
         return self._transfers.get(transfer_id)
 
     def find_request(self, request_id: str) -> Transfer | None:
+        """The live (unclaimed, not failed) transfer of a request, if any."""
         for t in self._transfers.values():
-            if t.request_id == request_id and not t.claimed:
+            if t.request_id == request_id and not t.claimed and t.state is not TransferState.FAILED:
                 return t
         return None
 
@@ -104,9 +107,10 @@ class KVReceiver:
         self._events.pop(transfer_id, None)
         return t
 
-    def fail(self, transfer_id: str, reason: str) -> bool:
+    def fail(self, transfer_id: str, reason: str, release: bool = True) -> bool:
         """Mark FAILED and free its blocks (release runs as a task). Safe from a cancelled
-        handler: does not await. -> False if already terminal+released or unknown."""
+        handler: does not await. -> False if already terminal+released or unknown.
+        release=False: the caller frees the blocks itself (in order with what it does next)."""
         t = self._transfers.get(transfer_id)
         if t is None or t.claimed or t.state is TransferState.FAILED:
             return False
@@ -116,12 +120,10 @@ class KVReceiver:
         self.num_failed += 1
         log.warning("kv transfer %s (request %s) failed: %s", transfer_id, t.request_id, reason)
         self._events[transfer_id].set()
-        task = asyncio.get_running_loop().create_task(self._release(t.request_id))
-        task.add_done_callback(_log_task_error)
+        if release:
+            task = asyncio.get_running_loop().create_task(self.sink.release(t.request_id, transfer_id))
+            task.add_done_callback(_log_task_error)
         return True
-
-    async def _release(self, request_id: str) -> None:
-        await self.sink.release(request_id)
 
     # ---- backend side ----------------------------------------------------------------
     def check_open(self, transfer_id: str) -> Transfer:

@@ -37,7 +37,7 @@ class FakeSink:
     async def write_scales(self, request_id, k_scales, v_scales):
         self.scales[request_id] = (k_scales, v_scales)
 
-    async def release(self, request_id):
+    async def release(self, request_id, transfer_id):
         self.released.append(request_id)
 
     def read(self, request_id, layer_idx, n_blocks):

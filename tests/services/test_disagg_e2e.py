@@ -253,3 +253,26 @@ async def test_second_decode_for_one_transfer_is_not_found(client):
         _ = [m async for m in again]
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     await _wait_idle(client)
+
+
+async def test_reserve_retry_replaces_unclaimed_reservation(client):
+    """The gateway retries on another prefill replica: Reserve again for the same id while the
+    old reservation's Release is still in flight. The new one wins; nothing leaks."""
+    first = await client.decode.Reserve(decode_pb2.ReserveRequest(request_id="retry", num_prompt_tokens=20))
+    second = await client.decode.Reserve(decode_pb2.ReserveRequest(request_id="retry", num_prompt_tokens=20))
+    late = await client.decode.Release(decode_pb2.ReleaseRequest(
+        request_id="retry", transfer_id=first.ticket.transfer_id), timeout=5)
+    assert not late.found  # the old ticket was already replaced: must not free the new blocks
+    _, dl = await _load(client)
+    assert dl.reserved == 1
+    pp = common_pb2.RequestParams(max_tokens=5, ignore_eos=True,
+                                  sampling=generate_pb2.SamplingParams(temperature=0))
+    pre = await client.prefill.Prefill(prefill_pb2.PrefillRequest(
+        request_id="retry", prompt_token_ids=PROMPTS[1][:20], params=pp, ticket=second.ticket), timeout=20)
+    call = client.decode.Decode(decode_pb2.DecodeRequest(
+        request_id="retry", transfer_id=second.ticket.transfer_id, prompt_token_ids=PROMPTS[1][:20],
+        first_token_id=pre.first_token_id, params=pp), timeout=20)
+    toks = [pre.first_token_id] + [t async for m in call for t in m.token_ids]
+    want = _colocated([PROMPTS[1][:20]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert toks == want
+    await _wait_idle(client)
