@@ -18,11 +18,21 @@ import time
 GRACE_S = 10.0
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if `up` itself is killed (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the signal handlers below still apply
+        pass
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], ready_file: str, env: dict):
         self.name, self.argv, self.ready_file = name, argv, ready_file
         # NOTE: own process group so a terminal Ctrl-C reaches us first; we stop them in order
-        self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def ready(self) -> list[str] | None:
         if not os.path.exists(self.ready_file):
