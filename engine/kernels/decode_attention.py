@@ -24,6 +24,18 @@ from engine.kernels.common import dot_precision, upcast_dots, num_sms
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS: tl.constexpr):
+    # [BLOCK_N, D_PAD] K and V rows of context positions offs_n (masked past `end`)
+    n_mask = offs_n < end
+    blk = tl.load(bt_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
+    kv_off = (blk * BS + offs_n % BS)[:, None] * stride_c_slot + offs_d[None, :]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+    return k, v
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                          out_ptr, part_o_ptr, part_lse_ptr, sm_scale, num_splits,
@@ -31,7 +43,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          stride_ot, stride_oh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                         IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                         IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                         PREFETCH: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,7 +63,10 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     d_mask = offs_d < D
     q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
-    if UPCAST:
+    if IS_FP8:
+        # fp8 -> fp16 is one instruction (fp8 -> bf16 is not); |q| < 65504 assumed
+        q = q.to(tl.float16)
+    elif UPCAST:
         q = q.to(tl.float32)
     cdt = q.dtype
     qk_scale = sm_scale * 1.4426950408889634
@@ -63,23 +79,31 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     k_base = cache_ptr + kvh * stride_c_h
     v_base = k_base + stride_c_kv
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    if PREFETCH:
+        # manual register double buffering: tile i+1's loads are issued before tile i's math
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k, v = _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if PREFETCH:
+            offs_nx = offs_n + BLOCK_N
+            k_nx, v_nx = _load_kv_tile(k_base, v_base, bt_row, offs_nx, end, offs_d, d_mask,
+                                       stride_c_slot, BS)
+        else:
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k, v = _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS)
         n_mask = offs_n < end
-        blk = tl.load(bt_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
-        slot = blk * BS + offs_n % BS
-        kv_off = slot[:, None] * stride_c_slot + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(cdt)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(cdt)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [G_PAD, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k.to(cdt)), input_precision=PREC) * qk_scale  # [G_PAD, BLOCK_N]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v.to(cdt), input_precision=PREC)
         m_i = m_new
+        if PREFETCH:
+            k = k_nx
+            v = v_nx
+            offs_n = offs_nx
 
     if IS_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -130,7 +154,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2,
+                           prefetch: bool = False) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`)."""
     S, Hq, D = q.shape
@@ -166,8 +191,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
-        DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
-        UPCAST=upcast_dots(q.dtype),
+        DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
+        UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](

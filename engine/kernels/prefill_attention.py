@@ -100,7 +100,9 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr
         qrow = (q_begin + tok).to(tl.int64)
         q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, D_PAD]
-        if UPCAST:
+        if IS_FP8:
+            q = q.to(tl.float16)  # fp8 -> fp16 converts in one instruction; |q| < 65504 assumed
+        elif UPCAST:
             q = q.to(tl.float32)
         qpos = ctx + tok
         qk_scale = sm_scale * 1.4426950408889634
@@ -172,6 +174,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BS=BS, BLOCK_Q=block_q, BLOCK_N=block_n,
-        IS_FP8=is_fp8, PREC=dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
+        IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=num_stages)
     return out

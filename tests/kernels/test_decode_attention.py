@@ -9,14 +9,14 @@ from ._util import make_batch
 
 @pytest.mark.parametrize("hkv,gqa,d,bs", [(2, 1, 64, 16), (1, 4, 128, 32), (1, 8, 64, 16),
                                           (2, 4, 64, 32)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, device):
+@pytest.mark.parametrize("num_splits,prefetch", [(1, False), (3, False), (2, True)])
+def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, prefetch, device):
     seq_lens = [1, 17, 33, 70] if bs == 16 else [5, 32, 65]
     kv, meta = make_batch(seq_lens, [1] * len(seq_lens), bs, hkv, d, torch.float32, device, seed=gqa)
     q = torch.randn(len(seq_lens), hkv * gqa, d, device=device)
     scale = d ** -0.5
     out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
-                                 num_splits=num_splits, block_n=16)
+                                 num_splits=num_splits, block_n=16, prefetch=prefetch)
     ref = paged_attention_torch(q, kv, meta, scale)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
@@ -39,7 +39,7 @@ def test_decode_fp8(device):
     q = torch.randn(2, 8, 64, device=device).to(torch.bfloat16)
     ks, vs = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
     out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125, ks, vs,
-                                 num_splits=2, block_n=16)
+                                 num_splits=2, block_n=16, prefetch=True)
     ref = paged_attention_torch(q, kv, meta, 0.125, ks, vs)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
