@@ -1,0 +1,9 @@
+"""Triton kernels, each with a torch reference in reference.py (the test oracle).
+
+kv_write.write_kv                       scatter new K/V into the paged cache (bf16/fp16/fp32/fp8)
+decode_attention.paged_decode_attention flash-decoding over pages, GQA groups per program
+prefill_attention.paged_prefill_attention varlen causal attention over pages (prefix-aware)
+rmsnorm.rms_norm / fused_add_rms_norm   RMSNorm, residual add fused
+rotary.rotary_neox_                     neox rotary embedding, in place
+Importing a submodule imports triton; this package file imports nothing.
+"""
