@@ -100,6 +100,11 @@ async def test_greedy_grpc_and_rest_equal_engine(services, stub):
         assert j["choices"][0]["text"] == grpc_text
         lp = j["choices"][0]["logprobs"]
         assert [tok.decode([t], skip_special_tokens=False) for t in want[i]] == lp["tokens"]
+    # concurrent requests (batched on decode) each still get their own greedy output
+    async def one(p):
+        return [t async for r in stub.Generate(greedy_req(p, 12)) for t in r.token_ids]
+    got = await asyncio.gather(*(one(p) for p in PROMPTS * 2))
+    assert got == want * 2
     await wait_idle(services)
 
 
