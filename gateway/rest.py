@@ -7,6 +7,7 @@ An error after the stream started is sent as one `data: {"error": ...}` event be
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -98,7 +99,7 @@ def build_app(core: GatewayCore, *, default_max_tokens: int = 16,
         model = core.model_name
         agen = core.generate(pr.gen, metadata=headers)
         if not pr.stream:
-            return await _collect(agen, pr, rid, model)
+            return await _collect_unless_gone(request, agen, pr, rid, model)
         # pull the first chunk before answering so admission/validation errors get real statuses
         try:
             first = await agen.__anext__()
@@ -106,6 +107,24 @@ def build_app(core: GatewayCore, *, default_max_tokens: int = 16,
             first = None
         return StreamingResponse(_stream(agen, first, pr, rid, model), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": pr.gen.request_id})
+
+    async def _collect_unless_gone(request: Request, agen, pr, rid, model):
+        """Non-streaming: a client that hangs up mid-generation cancels it (blocks freed)."""
+        task = asyncio.ensure_future(_collect(agen, pr, rid, model))
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=0.5)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    # NOTE: cancelling the task unwinds the generator inside it (its finally
+                    # cancels the downstream RPCs); aclose() here would race the running task
+                    task.cancel()
+                    await asyncio.wait([task])
+                    return Response(status_code=499)
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _collect(agen, pr, rid, model):
         text, lps, finish, usage, off = "", None, None, None, 0
