@@ -243,3 +243,12 @@ async def test_client_cancel_frees_kv_on_both(services, stub):
                 if line.startswith("data: ") and '"text"' in line:
                     break
     await wait_idle(services)
+    # REST, not streaming: the client gives up while the gateway is still generating
+    async with httpx.AsyncClient(base_url=services.http_url) as c:
+        with pytest.raises(httpx.TimeoutException):
+            await c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[1],
+                                                  "max_tokens": 225, "ignore_eos": True},
+                         timeout=0.3)
+        await wait_idle(services)
+        m = (await c.get("/metrics")).text
+    assert 'splitserve_requests_total{outcome="abort"}' in m
