@@ -112,6 +112,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                     f"transfer {tid!r} belongs to request {t.request_id!r}, not {rid!r}")
             try:
                 params = params_from_pb(request.params)
+                want = self._reserved_tokens.get(tid)
+                if want is not None and len(request.prompt_token_ids) != want:
+                    raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens "
+                                              f"but transfer {tid} reserved {want}")
             except InvalidRequestError as e:
                 self.receiver.fail(tid, f"bad Decode request: {e}")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -60,6 +60,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if not rid:
                     raise InvalidRequestError("request_id is required")
                 self._check_ticket(request.ticket)
+                n = len(request.prompt_token_ids)
+                if request.ticket.num_tokens and n != request.ticket.num_tokens:
+                    raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "
+                                              f"is for {request.ticket.num_tokens}")
                 params = params_from_pb(request.params)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -150,10 +150,22 @@ async def test_bad_input_is_invalid_argument(client):
     bad_params = common_pb2.RequestParams(max_tokens=4, sampling=generate_pb2.SamplingParams(top_p=3))
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await client.prefill.Prefill(prefill_pb2.PrefillRequest(
-            request_id="oov", prompt_token_ids=[1, 2], params=bad_params, ticket=res.ticket))
+            request_id="oov", prompt_token_ids=[1, 2, 3], params=bad_params, ticket=res.ticket))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
-    await client.decode.Release(decode_pb2.ReleaseRequest(request_id="oov",
-                                                          transfer_id=res.ticket.transfer_id))
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # prompt length != the reservation's
+        await client.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="oov", prompt_token_ids=[1, 2, 3, 4, 5],
+            params=common_pb2.RequestParams(max_tokens=4), ticket=res.ticket))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reservation" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        _ = [m async for m in client.decode.Decode(decode_pb2.DecodeRequest(
+            request_id="oov", transfer_id=res.ticket.transfer_id, prompt_token_ids=[1, 2],
+            first_token_id=1, params=common_pb2.RequestParams(max_tokens=4)), timeout=5)]
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reserved 3" in e.value.details()
+    # the bad Decode failed the transfer and freed its blocks
+    r = await client.decode.Release(decode_pb2.ReleaseRequest(request_id="oov",
+                                                              transfer_id=res.ticket.transfer_id))
+    assert not r.found
     await _wait_idle(client)
 
 
