@@ -142,3 +142,37 @@ async def test_prompt_validation(stack):
         core.check_prompt([1] * 300)
     with pytest.raises(GatewayError, match="out of range"):
         core.check_prompt([1, 99999])
+
+
+async def test_busy_replica_queues_then_admits_when_load_drops():
+    s = await make_stack(admission=AdmissionConfig(prefill_tokens_per_s=1000.0))
+    try:
+        core = s.core
+        core.prefill.replicas[0].load.queued_tokens = 10_000  # ~10 s of prefill work ahead
+        task = asyncio.create_task(collect(core, req(core, "abc", max_tokens=2, ttft_slo_ms=3000)))
+        await asyncio.sleep(0.3)
+        assert not task.done() and len(core.queue) == 1 and s.prefills[0].calls == 0
+        core.prefill.replicas[0].load.queued_tokens = 0  # the replica drained
+        core.queue.notify()
+        chunks = await asyncio.wait_for(task, 2)
+        assert chunks[-1].finish_reason == "length"
+        body = core.metrics.render()[0].decode()
+        assert 'splitserve_admission_decisions_total{decision="queue"} 1.0' in body
+        assert 'splitserve_admission_decisions_total{decision="admit"} 1.0' in body
+    finally:
+        await s.close()
+
+
+async def test_queued_request_rejected_when_its_deadline_passes():
+    s = await make_stack(admission=AdmissionConfig(prefill_tokens_per_s=1000.0))
+    try:
+        core = s.core
+        core.prefill.replicas[0].load.queued_tokens = 10_000
+        t0 = time.monotonic()
+        with pytest.raises(GatewayError) as ei:
+            await collect(core, req(core, "abc", max_tokens=2, ttft_slo_ms=300))
+        assert 0.2 < time.monotonic() - t0 < 2  # waited about its budget, then gave up
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in ei.value.message
+        assert len(core.queue) == 0
+    finally:
+        await s.close()
