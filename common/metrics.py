@@ -79,6 +79,14 @@ class ServiceMetrics:
         self.predicted_ttft = Histogram("splitserve_predicted_ttft_seconds",
                                         "Admission controller's TTFT prediction", buckets=_SLOW,
                                         registry=r)
+        # --- replicas as the gateway sees them (Load polls)
+        self.replica_up = Gauge("splitserve_replica_up", "1 when the replica answered its last poll",
+                                ["role", "replica"], registry=r)
+        self.replica_kv_usage = Gauge("splitserve_replica_kv_cache_usage_ratio",
+                                      "KV usage a replica reported", ["role", "replica"], registry=r)
+        self.replica_queued_tokens = Gauge("splitserve_replica_queued_tokens",
+                                           "Queued (prefill) / reserved (decode) tokens a replica "
+                                           "reported", ["role", "replica"], registry=r)
         # --- CUDA graphs
         self.cuda_graph_replays = Counter("splitserve_cuda_graph_replays", "CUDA graph replays",
                                           registry=r)

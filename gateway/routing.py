@@ -79,7 +79,7 @@ def order_decode(replicas: list[Replica], predictor: Predictor) -> list[Replica]
 
 
 class ReplicaPool:
-    def __init__(self, role: str, addresses: list[str], stub_cls, on_update=None):
+    def __init__(self, role: str, addresses: list[str], stub_cls, on_update=None, metrics=None):
         if not addresses:
             raise ValueError(f"at least one {role} address is needed")
         self.role = role
@@ -89,6 +89,7 @@ class ReplicaPool:
             self.replicas.append(Replica(a, role, stub_cls(ch), ch))
         self._on_update = on_update  # called after every poll round (admission re-decides)
         self._task: asyncio.Task | None = None
+        self._metrics = metrics  # common.metrics.ServiceMetrics (per-replica gauges) or None
 
     async def poll_once(self, timeout_s: float = 1.0) -> None:
         from protos import common_pb2
@@ -104,6 +105,13 @@ class ReplicaPool:
             r.healthy, r.last_error, r.last_poll = True, "", time.monotonic()
             r.load = load_view_from_pb(pb, r.load)
         await asyncio.gather(*(one(r) for r in self.replicas))
+        if self._metrics is not None:
+            m = self._metrics
+            for r in self.replicas:
+                lbl = {"role": self.role, "replica": r.address}
+                m.replica_up.labels(**lbl).set(1 if r.healthy else 0)
+                m.replica_kv_usage.labels(**lbl).set(r.load.kv_usage)
+                m.replica_queued_tokens.labels(**lbl).set(r.load.queued_tokens)
         if self._on_update:
             self._on_update()
 

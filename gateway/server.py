@@ -46,12 +46,13 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
         if core_ref:
             core_ref[0].queue.notify()
 
-    prefill = ReplicaPool("prefill", list(cfg.prefill), prefill_pb2_grpc.PrefillStub, on_update)
-    decode = ReplicaPool("decode", list(cfg.decode), decode_pb2_grpc.DecodeStub, on_update)
+    metrics = get_metrics("gateway")
+    prefill = ReplicaPool("prefill", list(cfg.prefill), prefill_pb2_grpc.PrefillStub, on_update, metrics)
+    decode = ReplicaPool("decode", list(cfg.decode), decode_pb2_grpc.DecodeStub, on_update, metrics)
     core = GatewayCore(model_name=meta["name"], tokenizer=meta["tokenizer"],
                        max_model_len=meta["max_model_len"], vocab_size=meta["vocab_size"],
                        eos_token_ids=meta["eos_token_ids"], prefill=prefill, decode=decode,
-                       admission=cfg.admission, metrics=get_metrics("gateway"), info=meta["info"],
+                       admission=cfg.admission, metrics=metrics, info=meta["info"],
                        transfer_timeout_ms=cfg.transfer_timeout_ms)
     core_ref.append(core)
     return core

@@ -252,3 +252,4 @@ async def test_client_cancel_frees_kv_on_both(services, stub):
         await wait_idle(services)
         m = (await c.get("/metrics")).text
     assert 'splitserve_requests_total{outcome="abort"}' in m
+    assert f'splitserve_replica_up{{replica="{services.decodes[0].address}",role="decode"}} 1.0' in m
