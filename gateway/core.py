@@ -254,7 +254,7 @@ class GatewayCore:
             self.queue.notify()
 
     async def _generate(self, req: GenRequest, sp) -> AsyncIterator[GenChunk]:
-        decision = await self.admit(req)
+        await self.admit(req)  # raises RESOURCE_EXHAUSTED when rejected
         t_admitted = time.monotonic()
         dec, ticket, pre = await self._prefill(req)
         pt = pre.timings
