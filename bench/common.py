@@ -10,6 +10,8 @@ import subprocess
 
 
 def git_commit() -> str:
+    if os.environ.get("SPLITSERVE_COMMIT"):  # set where the tree travels without .git
+        return os.environ["SPLITSERVE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
