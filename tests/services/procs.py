@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--model", "dummy:tiny-llama", "--dtype", "fp32", "--device", "cpu", "--max-model-len", "256",
-        "--num-blocks", "64", "--enforce-eager"]
+# SPLITSERVE_TEST_DEVICE=cuda runs the services on a GPU (CUDA graphs on); default cpu
+DEVICE = os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu")
+TINY = ["--model", "dummy:tiny-llama", "--dtype", "fp32", "--device", DEVICE, "--max-model-len", "256",
+        "--num-blocks", "64", *(["--enforce-eager"] if DEVICE == "cpu" else [])]
 
 
 @dataclass
@@ -48,7 +50,8 @@ def spawn(module: str, extra: list[str] = ()):
     ready, log_path = os.path.join(d, "ready"), os.path.join(d, "log")
     cmd = [sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--ready-file", ready,
            *TINY, *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OTEL_TRACES_EXPORTER": "none"}
+    pp = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": pp, "OTEL_TRACES_EXPORTER": "none"}
     with open(log_path, "w") as logf:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT)
     return module, p, ready, log_path

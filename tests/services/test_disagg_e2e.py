@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import common_pb2, decode_pb2, generate_pb2, prefill_pb2
@@ -61,7 +61,8 @@ def _colocated_engine():
     if "e" not in _ENGINE:
         _ENGINE["e"] = Engine(EngineConfig(
             model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
-            cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
+            cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
+            device=DeviceConfig(device=procs.DEVICE)))
     return _ENGINE["e"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from tests.services import procs
@@ -27,7 +27,8 @@ async def test_fp8_kv_disagg_equals_colocated():
         pre.stop()
         dec.stop()
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
-                              cache=CacheConfig(num_blocks=64, kv_cache_dtype="fp8_e4m3")))
+                              cache=CacheConfig(num_blocks=64, kv_cache_dtype="fp8_e4m3"),
+                              device=DeviceConfig(device=procs.DEVICE)))
     eng.add_request("fp8", prompt, params)
     want = []
     while eng.has_unfinished():
