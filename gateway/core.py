@@ -135,7 +135,32 @@ class GatewayCore:
 
     # ---- downstream calls ---------------------------------------------------------------
     async def _reserve(self, req: GenRequest):
-        """-> (decode replica, ticket). Tries decode replicas in routing order."""
+        """-> (decode replica, ticket). Tries decode replicas in routing order; when all are
+        full (RESOURCE_EXHAUSTED) waits and retries until the request's queue budget is spent
+        (its TTFT SLO, else max_queue_ms): decode memory is the scarce resource."""
+        slo = req.ttft_slo_ms if req.ttft_slo_ms is not None else self.admission_cfg.default_ttft_ms
+        budget_ms = min(slo, self.admission_cfg.max_queue_ms) if slo is not None \
+            else self.admission_cfg.max_queue_ms
+        deadline = req.arrival + budget_ms / 1e3
+        backoff = 0.05
+        while True:
+            r, ticket, last = await self._reserve_once(req)
+            if ticket is not None:
+                return r, ticket
+            if last is None or last.code() != grpc.StatusCode.RESOURCE_EXHAUSTED \
+                    or time.monotonic() + backoff > deadline:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+        code = last.code() if last is not None else grpc.StatusCode.UNAVAILABLE
+        retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        raise GatewayError(code, f"no decode replica could reserve KV for {len(req.prompt_token_ids)}"
+                           f" tokens ({', '.join(r.address for r in self.decode.replicas)}): "
+                           f"{last.details() if last is not None else 'none configured'}",
+                           retry_after_s=retry)
+
+    async def _reserve_once(self, req: GenRequest):
+        """-> (replica, ticket, None) or (None, None, last error)."""
         from protos import decode_pb2
 
         last = None
@@ -147,7 +172,7 @@ class GatewayCore:
                         request_id=req.request_id, num_prompt_tokens=len(req.prompt_token_ids),
                         max_tokens=req.params.max_tokens), timeout=10.0,
                         metadata=telemetry.inject_metadata())
-                    return r, resp.ticket
+                    return r, resp.ticket, None
                 except grpc.aio.AioRpcError as e:
                     last = e
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -156,12 +181,7 @@ class GatewayCore:
                     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         continue
                     raise GatewayError(e.code(), f"decode Reserve failed: {e.details()}") from None
-        code = last.code() if last is not None else grpc.StatusCode.UNAVAILABLE
-        retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-        raise GatewayError(code, f"no decode replica could reserve KV for {len(req.prompt_token_ids)}"
-                           f" tokens ({', '.join(r.address for r in self.decode.replicas)}): "
-                           f"{last.details() if last is not None else 'none configured'}",
-                           retry_after_s=retry)
+        return None, None, last
 
     async def _prefill(self, req: GenRequest):
         """-> (decode replica, ticket, PrefillResponse). Retries other prefill replicas."""

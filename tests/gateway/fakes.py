@@ -28,8 +28,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.load = common_pb2.LoadStats(num_total_blocks=100, num_free_blocks=100)
         self._ids = itertools.count()
         self.address = ""
+        self.full = False  # Reserve answers RESOURCE_EXHAUSTED while set
 
     async def Reserve(self, request, context):  # noqa: N802
+        if self.full:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
         tid = f"t{next(self._ids)}"
         self.reserved[tid] = request.request_id
         return decode_pb2.ReserveResponse(ticket=common_pb2.TransferTicket(

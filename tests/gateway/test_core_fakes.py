@@ -176,3 +176,25 @@ async def test_queued_request_rejected_when_its_deadline_passes():
         assert len(core.queue) == 0
     finally:
         await s.close()
+
+
+async def test_full_decode_waits_for_room_then_rejects_after_budget():
+    s = await make_stack()
+    try:
+        core, dec = s.core, s.decodes[0]
+        dec.full = True
+        task = asyncio.create_task(collect(core, req(core, "abc", max_tokens=2, ttft_slo_ms=5000)))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        dec.full = False  # blocks were freed
+        chunks = await asyncio.wait_for(task, 3)
+        assert chunks[-1].finish_reason == "length"
+        dec.full = True
+        t0 = time.monotonic()
+        with pytest.raises(GatewayError) as ei:
+            await collect(core, req(core, "abc", max_tokens=2, ttft_slo_ms=300))
+        assert time.monotonic() - t0 < 1.5
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "reserve KV" in ei.value.message
+        assert ei.value.retry_after_s >= 1
+    finally:
+        await s.close()
