@@ -110,21 +110,26 @@ def build_app(core: GatewayCore, *, default_max_tokens: int = 16,
 
     async def _collect_unless_gone(request: Request, agen, pr, rid, model):
         """Non-streaming: a client that hangs up mid-generation cancels it (blocks freed)."""
+        async def disconnected():
+            # NOTE: the body is fully read, so the next ASGI message is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         task = asyncio.ensure_future(_collect(agen, pr, rid, model))
+        watch = asyncio.ensure_future(disconnected())
         try:
-            while True:
-                done, _ = await asyncio.wait([task], timeout=0.5)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    # NOTE: cancelling the task unwinds the generator inside it (its finally
-                    # cancels the downstream RPCs); aclose() here would race the running task
-                    task.cancel()
-                    await asyncio.wait([task])
-                    return Response(status_code=499)
+            await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            # NOTE: cancelling the task unwinds the generator inside it (its finally cancels
+            # the downstream RPCs); aclose() here would race the running task
+            task.cancel()
+            await asyncio.wait([task])
+            return Response(status_code=499)
         finally:
-            if not task.done():
-                task.cancel()
+            for t in (task, watch):
+                if not t.done():
+                    t.cancel()
 
     async def _collect(agen, pr, rid, model):
         text, lps, finish, usage, off = "", None, None, None, 0
