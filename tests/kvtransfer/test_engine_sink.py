@@ -3,13 +3,15 @@ blocks (Engine.import_kv through EngineKVSink): the decode engine's blocks read 
 fp8 scales included."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from common.grpc_util import create_server
 from decode_svc.kv_sink import EngineKVSink
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from kvtransfer import KVLayout, KVReceiver, TransferState, send_blocks
@@ -21,7 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def _engine(kv_dtype):
     return Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
-                               cache=CacheConfig(num_blocks=24, kv_cache_dtype=kv_dtype)))
+                               cache=CacheConfig(num_blocks=24, kv_cache_dtype=kv_dtype),
+                               device=DeviceConfig(os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu"))))
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8_e4m3"])
