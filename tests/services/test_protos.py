@@ -22,7 +22,8 @@ def _copy_protos(dst: Path) -> Path:
 def _import(cwd: Path) -> str:
     code = "import protos; print(protos.decode_pb2.DecodeRequest.DESCRIPTOR.full_name)"
     r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "PYTHONPATH": str(cwd)})
+                       timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           [str(cwd), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
