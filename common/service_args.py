@@ -46,6 +46,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto")
 
 
+def _device(device: str) -> str:
+    """'cuda' / 'auto' (with a GPU) -> 'cuda:0'. NOTE: torch.cuda.set_device rejects an
+    index-less torch.device('cuda') on torch 2.11, which Engine calls with the resolved name."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if device == "cuda" else device
+
+
 def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = True) -> EngineConfig:
     """-> validated EngineConfig; raises ConfigError with the offending value named."""
     try:
@@ -58,7 +68,7 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                               enable_prefix_caching=prefix_caching and not a.no_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                       max_num_batched_tokens=a.max_num_batched_tokens),
-            device=DeviceConfig(device=a.device, enforce_eager=a.enforce_eager,
+            device=DeviceConfig(device=_device(a.device), enforce_eager=a.enforce_eager,
                                 attention_backend=a.attention_backend),
         )
     except ConfigError:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # SPLITSERVE_TEST_DEVICE=cuda runs the services on a GPU (CUDA graphs on); default cpu
-DEVICE = os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu")
+DEVICE = os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu")  # use "cuda:0" (see service_args._device)
 TINY = ["--model", "dummy:tiny-llama", "--dtype", "fp32", "--device", DEVICE, "--max-model-len", "256",
         "--num-blocks", "64", *(["--enforce-eager"] if DEVICE == "cpu" else [])]
 

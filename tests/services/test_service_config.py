@@ -29,6 +29,8 @@ def test_env_defaults_and_flags_win(monkeypatch):
     assert cfg.cache.block_size == 16 and cfg.cache.kv_cache_dtype == "fp8_e4m3"
     assert cfg.cache.num_blocks == 10 and not cfg.cache.enable_prefix_caching
     assert a.host == "127.0.0.1" and a.port == 50071 and a.metrics_port is None
+    assert engine_config_from_args(decode_args(["--device", "cuda"])).device.device == "cuda:0"
+    assert engine_config_from_args(decode_args(["--device", "cpu"])).device.device == "cpu"
 
 
 def test_bad_values_are_named(monkeypatch):
