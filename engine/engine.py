@@ -46,6 +46,8 @@ class Engine:
         t0 = time.perf_counter()
         device = cfg.device.resolved_device()
         dtype = resolve_dtype(cfg.model.dtype, device)
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         if cfg.device.cpu_threads:
