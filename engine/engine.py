@@ -61,7 +61,7 @@ class Engine:
         self.attn_backend = get_attention_backend(cfg.device.attention_backend, device,
                                                   a.num_heads, a.num_kv_heads, a.head_dim)
         with torch.device(device):
-            model = CausalLM(a, self.attn_backend)
+            model = CausalLM(a, self.attn_backend, dtype=dtype)
         model.load_weights(loaded.weights)
         model.to(device=device, dtype=dtype).eval()
         self.device = device
