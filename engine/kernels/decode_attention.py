@@ -155,7 +155,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2,
-                           prefetch: bool = False) -> torch.Tensor:
+                           prefetch: bool | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`)."""
     S, Hq, D = q.shape
@@ -175,8 +175,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         return out
     G = Hq // Hkv
     D_PAD = triton.next_power_of_2(D)
+    # defaults from bench/kernels_gpu.py --sweep on H200 (bench/results/kernels_gpu-h200-*):
+    # 16-bit KV: 32-token tiles with register prefetch; fp8 KV: 64-token tiles, no prefetch
+    if prefetch is None:
+        prefetch = not is_fp8
     if block_n is None:
-        block_n = 64 if D_PAD <= 128 else 32
+        block_n = (64 if is_fp8 else 32) if D_PAD <= 128 else 32
     if num_splits is None:
         num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device)
     if num_splits > 1:
