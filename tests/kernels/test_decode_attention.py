@@ -56,3 +56,13 @@ def test_decode_empty_sequence_gives_zeros(device):
         ref = paged_attention_torch(q[1:], kv, type(meta2)(**{**meta2.__dict__,
                                     "block_tables": meta.block_tables[1:]}), 0.125)
         torch.testing.assert_close(out[1:], ref, atol=2e-5, rtol=2e-5)
+
+
+def test_choose_num_splits_is_shape_only_and_bounded():
+    from engine.kernels.decode_attention import choose_num_splits
+
+    cpu = torch.device("cpu")  # nominal 8 SMs
+    assert choose_num_splits(1, 1, 256, 16, 64, cpu) > 1       # tiny batch, long context: split
+    assert choose_num_splits(64, 8, 256, 16, 64, cpu) == 1      # GPU already full: no split
+    assert choose_num_splits(1, 1, 2, 16, 64, cpu) == 1         # short context: nothing to split
+    assert 1 <= choose_num_splits(1, 1, 10**6, 16, 16, cpu) <= 64
