@@ -61,7 +61,9 @@ def _run(eng, prompts, max_tokens):
 
 def test_prefill_logits_match_hf_bf16(hf_dir):
     path, m = hf_dir
-    hf = m.to("cuda", torch.bfloat16)
+    import copy
+
+    hf = copy.deepcopy(m).to("cuda", torch.bfloat16)  # NOTE: .to() is in place on modules
     eng = _engine(path, "bf16", eager=True)
     p = _prompts(1)[0]
     with torch.no_grad():
@@ -97,7 +99,9 @@ def _check_greedy_vs_hf(hf, prompt, toks, margin=1e-3):
 
 def test_greedy_fp32_matches_hf_32_steps(hf_dir):
     path, m = hf_dir
-    hf = m.to("cuda", torch.float32)
+    import copy
+
+    hf = copy.deepcopy(m).to("cuda", torch.float32)
     prompts = _prompts(4)
     for eager in (True, False):
         got = _run(_engine(path, "fp32", eager), prompts, 32)
