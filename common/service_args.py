@@ -6,6 +6,7 @@ config is built once in main() and validated by the engine's frozen dataclasses.
 from __future__ import annotations
 
 import argparse
+import os
 
 from common.envs import env_bool, env_int, env_str
 from engine.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, ModelConfig,
@@ -44,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    default=env_bool("SPLITSERVE_ENFORCE_EAGER", False))
     g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--cpu-threads", type=int, default=env_int("SPLITSERVE_CPU_THREADS"),
+                   help="CPU intra-op threads for this engine (default on CPU: half the cores, "
+                        "since prefill and decode usually share the host)")
 
 
 def _device(device: str) -> str:
@@ -56,8 +60,17 @@ def _device(device: str) -> str:
     return "cuda:0" if device == "cuda" else device
 
 
+def _cpu_threads(device: str, threads: int | None) -> int | None:
+    # NOTE: two engines each running torch's default (all cores) on one small host spin
+    # against each other in OpenMP and run ~10x slower; split the cores between them.
+    if threads is not None or device != "cpu":
+        return threads
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = True) -> EngineConfig:
     """-> validated EngineConfig; raises ConfigError with the offending value named."""
+    device = _device(a.device)
     try:
         return EngineConfig(
             model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
@@ -68,8 +81,9 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                               enable_prefix_caching=prefix_caching and not a.no_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                       max_num_batched_tokens=a.max_num_batched_tokens),
-            device=DeviceConfig(device=_device(a.device), enforce_eager=a.enforce_eager,
-                                attention_backend=a.attention_backend),
+            device=DeviceConfig(device=device, enforce_eager=a.enforce_eager,
+                                attention_backend=a.attention_backend,
+                                cpu_threads=_cpu_threads(device, getattr(a, "cpu_threads", None))),
         )
     except ConfigError:
         raise
