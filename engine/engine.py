@@ -173,6 +173,20 @@ class Engine:
         return RequestOutput(req.request_id, [], True, "error", error=msg,
                              num_prompt_tokens=req.num_prompt_tokens)
 
+    def generate(self, prompts: list[list[int]], params: SamplingParams, id_prefix: str = "gen-"
+                 ) -> list[list[int]]:
+        """Offline convenience: run `prompts` to completion together (continuous batching),
+        return each one's generated token ids in order."""
+        ids = [f"{id_prefix}{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            self.add_request(rid, p, params)
+        got: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self.requests for rid in ids):
+            for o in self.step():
+                if o.request_id in got:
+                    got[o.request_id].extend(o.new_token_ids)
+        return [got[rid] for rid in ids]
+
     # ---- disaggregation -------------------------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
         """Decode side: pre-allocate the blocks an incoming prompt's KV will land in."""

@@ -49,13 +49,7 @@ def engine_greedy(prompts, max_tokens):
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
                               cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    got = {str(i): [] for i in range(len(prompts))}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
-    return [got[str(i)] for i in range(len(prompts))], eng.tokenizer
+    return eng.generate(prompts, params), eng.tokenizer
 
 
 def greedy_req(ids, max_tokens, **kw):

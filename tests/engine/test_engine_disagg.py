@@ -16,23 +16,13 @@ def _engine(kv_dtype="auto", prefix=True):
                                                  enable_prefix_caching=prefix)))
 
 
-def _run_all(eng, prompts, params):
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    got = {str(i): [] for i in range(len(prompts))}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
-    return [got[str(i)] for i in range(len(prompts))]
-
-
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 40)]
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_prefill_export_import_decode_equals_colocated(kv_dtype):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    want = _run_all(_engine(kv_dtype), PROMPTS, params)
+    want = _engine(kv_dtype).generate(PROMPTS, params)
     pre, dec = _engine(kv_dtype), _engine(kv_dtype)
     for i, p in enumerate(PROMPTS):
         rid = f"r{i}"

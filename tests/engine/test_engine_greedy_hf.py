@@ -72,14 +72,9 @@ def _engine_greedy(path, prompts, block_size=16, prefix=True, budget=2048):
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget))
     eng = Engine(cfg)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    got = {str(i): [] for i in range(len(prompts))}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id].extend(o.new_token_ids)
+    got = eng.generate(prompts, params)
     assert eng.kv.num_free_blocks == eng.kv.num_blocks or prefix  # cached blocks may stay
-    return [got[str(i)] for i in range(len(prompts))], eng
+    return got, eng
 
 
 @pytest.mark.parametrize("n,block_size,prefix,budget", [

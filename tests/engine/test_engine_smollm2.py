@@ -29,13 +29,7 @@ def smollm2_engine():
 
 
 def _run(eng, prompts, params):
-    for i, p in enumerate(prompts):
-        eng.add_request(f"q{id(prompts)}-{i}", p, params)
-    got: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [got[f"q{id(prompts)}-{i}"] for i in range(len(prompts))]
+    return eng.generate(prompts, params, id_prefix=f"q{id(prompts)}-")
 
 
 def test_smollm2_greedy_equals_hf(smollm2_engine, ids, hf_smollm2_model):

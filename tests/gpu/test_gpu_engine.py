@@ -49,14 +49,8 @@ def _prompts(n):
 
 
 def _run(eng, prompts, max_tokens):
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, sp)
-    got = {str(i): [] for i in range(len(prompts))}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
-    return [got[str(i)] for i in range(len(prompts))]
+    return eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                ignore_eos=True))
 
 
 def test_prefill_logits_match_hf_bf16(hf_dir):

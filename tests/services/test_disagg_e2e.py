@@ -69,13 +69,7 @@ def _colocated_engine():
 def _colocated(prompts, params):
     eng = _colocated_engine()
     assert not eng.has_unfinished()
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    got = {str(i): [] for i in range(len(prompts))}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
-    return [got[str(i)] for i in range(len(prompts))]
+    return eng.generate(prompts, params)
 
 
 async def _load(client):
