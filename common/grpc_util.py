@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from typing import Awaitable, Callable, Iterable
 
 import grpc
@@ -118,3 +119,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def service_main(name: str, parse_args, amain, argv=None) -> int:
+    """The shared `main()` of prefill_svc / decode_svc: parse flags (SPLITSERVE_* defaults are
+    read and checked there), set up logging, serve until stopped. Exit 2 on bad flags or a
+    model that cannot load (ConfigError / ModelLoadError are ValueErrors)."""
+    from common.log import setup_logging
+
+    try:
+        args = parse_args(argv)
+        setup_logging(args.log_level, name)
+        return run(lambda: amain(args))
+    except ValueError as e:
+        print(f"{name}_svc: cannot start: {e}", file=sys.stderr)
+        return 2

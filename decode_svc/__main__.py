@@ -5,10 +5,8 @@ import argparse
 import sys
 
 from common.envs import env_float, env_str
-from common.grpc_util import run
-from common.log import setup_logging
+from common.grpc_util import service_main
 from common.service_args import add_engine_args, add_server_args, engine_config_from_args
-from engine.config import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,13 +68,7 @@ async def amain(args) -> int:
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(argv)  # SPLITSERVE_* defaults are read (and checked) here
-        setup_logging(args.log_level, "decode")
-        return run(lambda: amain(args))
-    except (ConfigError, ValueError) as e:  # bad flags, model that cannot load (ModelLoadError)
-        print(f"decode_svc: cannot start: {e}", file=sys.stderr)
-        return 2
+    return service_main("decode", parse_args, amain, argv)
 
 
 if __name__ == "__main__":
