@@ -66,3 +66,28 @@ def rotary_neox_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return out.to(x.dtype)
 
     return rot(q), rot(k)
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                      silu: bool = False, residual: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """engine.kernels.skinny_gemm.skinny_linear in fp32 math with the kernel's rounding
+    points: the norm scale applies after the product; silu / residual see the matmul output
+    rounded to x's dtype first (as HF rounds every op's output)."""
+    adt = x.dtype
+    xf = x.float()
+    if norm_weight is not None:
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = ((xf * norm_weight.float()) @ weight.float().T) * rstd
+    else:
+        y = xf @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if silu:
+        n = y.shape[1] // 2
+        g, u = y[:, :n].to(adt).float(), y[:, n:].to(adt).float()
+        y = torch.nn.functional.silu(g).to(adt).float() * u
+    if residual is not None:
+        y = y.to(adt).float() + residual.float()
+    return y.to(out_dtype or adt)

@@ -1,0 +1,214 @@
+"""Triton skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T with M small (1..64).
+
+At decode batch sizes the matmuls are weight-streaming problems: every weight byte is read
+once per step and the arithmetic is nearly free, so the kernel's only job is to keep enough
+bytes in flight to run at the memory roofline. cuBLAS reaches ~82% of the copy rate at M=1
+on an H200 (measured 2026-12-02); this kernel tiles over N only (no split-K: every output
+element is owned by one program, which keeps the epilogues below exact) with a K loop whose
+loads the compiler pipelines.
+
+Fused prologue / epilogues (each optional), so one decoder layer needs 4 matmul launches
+and no separate norm / activation / residual kernels:
+  NORM:  x := rmsnorm(x) * norm_weight, folded in as  rstd[m] * sum_k W[n,k] (x[m,k] g[k]);
+         the sum of squares accumulates in the same K loop (x is read anyway).
+  SILU:  W is a fused [gate | up] weight of 2*N rows; y = silu(gate) * up       -> [M, N]
+  RESID: y = y + residual[m, n]  (HF rounding: the matmul output rounds to the
+         activation dtype first); `out` may alias `residual` (in-place residual stream:
+         every element is read and written by the same program).
+  BIAS:  y += bias[n] before the epilogues above.
+
+Two inner products: USE_DOT (tensor cores, x padded to BLOCK_M >= 16 rows; the weight tile
+goes through shared memory with cp.async / TMA pipelining) and the FMA path for M == 1
+(weight tile straight to registers, fp32 products, one reduction after the loop).
+
+NOTE: rounding differs from the unfused torch sequence by ~1 bf16 ulp (the norm's scale is
+applied after the dot product, not before it); the torch reference below is the oracle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import dot_precision, num_sms, upcast_dots
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr,
+                        M, N, K, up_off, stride_xm, stride_wn, stride_om, stride_rm, eps,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                        EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_k0 = tl.arange(0, BLOCK_K)
+    # NOTE: int64 row offsets: lm_head is 128k x 4k elements (> 2^31 bytes)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_rows + up_off.to(tl.int64) * stride_wn  # only read when SILU
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    ssq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        if EVEN_K:
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xf = x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        if NORM:
+            ssq += tl.sum(xf * xf, 1)
+            if EVEN_K:
+                g = tl.load(nw_ptr + offs_k)
+            else:
+                g = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0)
+            xf = xf * g.to(tl.float32)[None, :]
+        if SILU:
+            if EVEN_K:
+                if EVEN_N:
+                    wu = tl.load(u_rows + offs_k[None, :])
+                else:
+                    wu = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            else:
+                wu = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
+                             other=0.0)
+        if USE_DOT:
+            if UPCAST:
+                xd = xf
+                wd = w.to(tl.float32)
+            else:
+                xd = xf.to(w.dtype)
+                wd = w
+            acc += tl.dot(xd, tl.trans(wd), input_precision=PREC)
+            if SILU:
+                if UPCAST:
+                    acc_u += tl.dot(xd, tl.trans(wu.to(tl.float32)), input_precision=PREC)
+                else:
+                    acc_u += tl.dot(xd, tl.trans(wu), input_precision=PREC)
+        else:
+            acc += w.to(tl.float32) * xf  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+            if SILU:
+                acc_u += wu.to(tl.float32) * xf
+    if USE_DOT:
+        y = acc
+        y_u = acc_u
+    else:
+        y = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]
+        y_u = tl.sum(acc_u, 1)[None, :]
+    if NORM:
+        rstd = tl.rsqrt(ssq / K + eps)
+        y = y * rstd[:, None]
+        y_u = y_u * rstd[:, None]
+    adt = x_ptr.dtype.element_ty  # activation dtype: HF rounds each op's output to it
+    if HAS_BIAS:
+        y = (y + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :])
+    if SILU:
+        gate = y.to(adt).to(tl.float32)
+        up = y_u.to(adt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(adt).to(tl.float32)
+        y = act * up
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if RESID:
+        r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
+                    mask=out_mask, other=0.0)
+        y = y.to(adt).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+    def block_m(self, m: int) -> int:
+        return max(16, triton.next_power_of_2(m)) if self.use_dot else 1
+
+
+def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> SkinnyConfig:
+    """Tile choice for a problem. Memory-bound: aim for several programs per SM (so each SM
+    keeps enough loads in flight) with weight tiles of 8-16 KiB per pipeline stage.
+    NOTE: tuned on an H200 by bench/skinny_gemm_sweep.py; see its results JSON."""
+    sms = num_sms(device)
+    use_dot = m > 1
+    block_k = 256 if use_dot else 512
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    # smallest BLOCK_N (>= 16 for tl.dot) that still leaves >= 2 waves of programs
+    block_n = 64 if use_dot else 32
+    min_bn = 16 if use_dot else 4
+    while block_n > min_bn and triton.cdiv(n, block_n) < 4 * sms:
+        block_n //= 2
+    if silu and use_dot:
+        block_n = max(min_bn, block_n // 2)  # two weight tiles per stage
+    return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4,
+                        num_stages=4 if use_dot else 3, use_dot=use_dot)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
+                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None, config: SkinnyConfig | None = None
+                  ) -> torch.Tensor:
+    """x [M, K] (row stride free, unit column stride), weight [N_w, K] contiguous rows.
+    Returns out [M, N] with N = N_w (or N_w / 2 with silu). See the module docstring for
+    norm_weight / silu / residual / bias. out may be `residual` itself (in place)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K], [N, K]")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a unit stride along K")
+    M, K = x.shape
+    NW = weight.shape[0]
+    if silu and NW % 2:
+        raise ValueError(f"silu needs a fused [gate | up] weight with an even row count, got {NW}")
+    N = NW // 2 if silu else NW
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} != ({K},)")
+    if bias is not None and bias.shape != (NW,):
+        raise ValueError(f"bias {tuple(bias.shape)} != ({NW},)")
+    if bias is not None and silu:
+        raise ValueError("bias with silu is not supported")
+    if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} is not [{M}, {N}] with unit column stride")
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} is not [{M}, {N}] with unit column stride")
+    if M == 0:
+        return out
+    cfg = config or default_config(M, N, K, x.device, silu)
+    bm = cfg.block_m(M)
+    if bm < M:
+        raise ValueError(f"skinny_linear handles M <= {bm} with this config, got M={M}")
+    upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
+    grid = (triton.cdiv(N, cfg.block_n),)
+    _skinny_gemm_kernel[grid](
+        x, weight, out, residual if residual is not None else out,
+        norm_weight if norm_weight is not None else x, bias if bias is not None else x,
+        M, N, K, N, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else out.stride(0), float(eps),
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NORM=norm_weight is not None, SILU=silu, RESID=residual is not None,
+        HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
+        EVEN_N=N % cfg.block_n == 0,
+        PREC=dot_precision(torch.float32 if upcast else weight.dtype), UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,97 @@
+"""Skinny decode GEMM (engine/kernels/skinny_gemm.py) against its torch reference and
+against the unfused HF-style sequence (norm -> linear -> silu*up -> + residual)."""
+import pytest
+import torch
+
+from engine.kernels.reference import rms_norm_ref, skinny_linear_ref
+from engine.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear
+
+FMA = SkinnyConfig(block_n=8, block_k=32, num_warps=4, num_stages=1, use_dot=False)
+DOT = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=True)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def _data(m, n, k, dtype, device, seed, silu=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(2 * n if silu else n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
+    res = torch.randn(m, n, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device)
+    return x, w, nw, res, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,cfg", [(1, 40, 64, FMA), (1, 48, 100, FMA), (1, 33, 96, DOT),
+                                       (3, 48, 100, DOT), (16, 32, 64, DOT), (5, 17, 40, DOT)])
+def test_plain_and_bias(m, n, k, cfg, dtype, device):
+    x, w, _, _, b = _data(m, n, k, dtype, device, seed=m * 1000 + n + k)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)  # poison: all written
+    skinny_linear(x, w, out=out, config=cfg)
+    assert _rel(out, skinny_linear_ref(x, w)) < TOL[dtype]
+    got = skinny_linear(x, w, b, config=cfg)
+    assert _rel(got, skinny_linear_ref(x, w, b)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,cfg", [(1, FMA), (1, DOT), (4, DOT)])
+def test_norm_silu_matches_unfused_sequence(m, cfg, dtype, device):
+    n, k = 24, 72  # neither a multiple of the tiles
+    x, w, nw, _, _ = _data(m, n, k, dtype, device, seed=7 + m, silu=True)
+    got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=cfg)
+    assert got.shape == (m, n)
+    assert _rel(got, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-5, silu=True)) < TOL[dtype]
+    # the HF sequence: norm (rounded), fused gate|up matmul, silu(gate) * up
+    h = rms_norm_ref(x, nw, 1e-5)
+    gu = (h.float() @ w.float().T).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+    assert _rel(got, want) < (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,cfg", [(1, FMA), (6, DOT)])
+def test_residual_in_place(m, cfg, dtype, device):
+    n, k = 32, 80
+    x, w, _, res, _ = _data(m, n, k, dtype, device, seed=11 + m)
+    want = skinny_linear_ref(x, w, residual=res)
+    res0 = res.clone()
+    out = skinny_linear(x, w, residual=res, out=res, config=cfg)
+    assert out.data_ptr() == res.data_ptr()
+    assert _rel(res, want) < TOL[dtype]
+    assert _rel(res, (x.float() @ w.float().T).to(dtype).float() + res0.float()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_norm_logits_fp32_out(m, device):
+    """lm_head use: bf16 activations and weights, fused final norm, fp32 logits."""
+    n, k = 70, 64
+    x, w, nw, _, _ = _data(m, n, k, torch.bfloat16, device, seed=3)
+    cfg = default_config(m, n, k, torch.device(device))
+    got = skinny_linear(x, w, norm_weight=nw, out_dtype=torch.float32, config=cfg)
+    assert got.dtype == torch.float32
+    want = rms_norm_ref(x, nw, 1e-6).float() @ w.float().T
+    assert _rel(got, want) < 2e-2
+
+
+def test_bad_inputs(device):
+    x = torch.randn(2, 8, device=device)
+    with pytest.raises(ValueError, match="not \\[M, K\\]"):
+        skinny_linear(x, torch.randn(4, 9, device=device))
+    with pytest.raises(ValueError, match="even row count"):
+        skinny_linear(x, torch.randn(5, 8, device=device), silu=True)
+    with pytest.raises(ValueError, match="residual"):
+        skinny_linear(x, torch.randn(4, 8, device=device), residual=torch.randn(2, 5, device=device))
+    with pytest.raises(ValueError, match="M <= 1"):
+        skinny_linear(x, torch.randn(4, 8, device=device), config=FMA)
+
+
+def test_default_config_sane():
+    for m in (1, 2, 8, 16, 64):
+        for n, k in ((4096, 4096), (6144, 4096), (14336, 4096), (128256, 2048), (2048, 8192)):
+            c = default_config(m, n, k, torch.device("cpu"))
+            assert c.block_m(m) >= m and c.block_n >= (16 if c.use_dot else 1)
+            assert k % c.block_k == 0
