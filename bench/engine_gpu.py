@@ -17,9 +17,9 @@ import time
 import torch
 
 from bench.common import print_table, write_result
-from bench.engine_gpu_steps import (copy_bandwidth_gbs, gemm_tflops, hf_decode_ms, kv_bytes_per_token,
-                                    make_engine, model_flops_per_token, time_decode, time_prefill,
-                                    weight_bytes)
+from bench.engine_gpu_steps import (copy_bandwidth_gbs, gemm_tflops, hf_decode_ms,
+                                    hf_generate_ms_per_token, kv_bytes_per_token, make_engine,
+                                    model_flops_per_token, time_decode, time_prefill, weight_bytes)
 
 DECODE_CASES = [(1, 1024), (8, 1024), (32, 1024), (64, 1024), (128, 1024),
                 (1, 4096), (8, 4096), (32, 4096), (64, 4096), (128, 4096), (64, 2048)]
@@ -47,6 +47,17 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
                      "eager_ms": round(t["eager_ms"], 3), "floor_ms": round(floor, 3),
                      "floor/graph": round(floor / t.get("graph_ms", float("nan")), 3)})
         print("  ", rows[-1], flush=True)
+    # the same step with cuBLAS matmuls + separate norm/activation kernels (skinny path off)
+    skinny_m = eng.runner.model.skinny_max_m
+    if skinny_m:
+        eng.runner.model.skinny_max_m = 0
+        eng.runner.maybe_capture_graphs(max_ctx + 64, eng.runner.model.attn_backend.name)
+        for b, c in [(1, 1024), (8, 1024)]:
+            t = time_decode(eng, b, c, eager=False)
+            rows.append({"shape": shape, "case": f"decode b={b} ctx={c} cuBLAS (skinny off)",
+                         "graph_ms": round(t["graph_ms"], 3)})
+            print("  ", rows[-1], flush=True)
+        eng.runner.model.skinny_max_m = skinny_m
     for n in (PREFILL_LENS if not quick else [512, 4096]):
         ms = time_prefill(eng, n)
         flops = model_flops_per_token(eng.arch, n // 2) * n
@@ -62,6 +73,10 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
     hf = hf_decode_ms(eng, 1024)
     rows.append({"shape": shape, "case": "HF eager decode b=1 ctx=1024",
                  "eager_ms": round(hf, 3) if hf else None})
+    print("  ", rows[-1], flush=True)
+    hfg = hf_generate_ms_per_token(eng, 1024)
+    rows.append({"shape": shape, "case": "HF generate per token b=1 ctx=1024",
+                 "eager_ms": round(hfg, 3) if hfg else None})
     print("  ", rows[-1], flush=True)
     del eng
     gc.collect()
@@ -83,11 +98,14 @@ def main() -> None:
         rows += bench_shape(shape, bw, tf, a.quick)
     # ratios vs HF at batch 1
     for shape in a.shapes.split(","):
-        hf = next((r["eager_ms"] for r in rows if r["shape"] == shape and r["case"].startswith("HF")), None)
         ours = next((r.get("graph_ms") for r in rows if r["shape"] == shape
                      and r["case"] == "decode b=1 ctx=1024"), None)
-        if hf and ours:
-            rows.append({"shape": shape, "case": "speedup vs HF b=1", "graph_ms": round(hf / ours, 1)})
+        for tag, prefix in (("HF forward", "HF eager decode"), ("HF generate", "HF generate")):
+            hf = next((r["eager_ms"] for r in rows if r["shape"] == shape
+                       and r["case"].startswith(prefix)), None)
+            if hf and ours:
+                rows.append({"shape": shape, "case": f"speedup vs {tag} b=1",
+                             "graph_ms": round(hf / ours, 1)})
     print_table(rows, ["shape", "case", "graph_ms", "eager_ms", "floor_ms", "floor/graph", "tflops"])
     path = write_result("engine_gpu", {"shapes": a.shapes, "dtype": "bf16", "block_size": 16,
                                        "copy_gbs": round(bw, 1), "gemm_tflops": round(tf, 1)},

@@ -80,16 +80,18 @@ def decode_inputs(eng: Engine, batch: int, ctx: int):
 
 
 @torch.inference_mode()
-def time_decode(eng: Engine, batch: int, ctx: int) -> dict:
+def time_decode(eng: Engine, batch: int, ctx: int, eager: bool = True) -> dict:
     ids, pos, meta = decode_inputs(eng, batch, ctx)
     r = eng.runner
     res = {}
     if r.graphs is not None:
         res["graph_ms"] = cuda_time_ms(lambda: r.graphs.run(ids, pos, meta))
-    def eager():
+
+    def eager_step():
         h = r.model(ids, pos, r.kv_caches, meta, r.kv_scales)
         return r.model.compute_logits(h)
-    res["eager_ms"] = cuda_time_ms(eager, iters=10, warmup=2)
+    if eager:
+        res["eager_ms"] = cuda_time_ms(eager_step, iters=10, warmup=2)
     return res
 
 
@@ -126,7 +128,13 @@ def model_flops_per_token(arch, ctx: int) -> float:
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Weight bytes a decode step must read: every parameter, except that an untied input
+    embedding is only gathered (one row per token), not streamed."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if getattr(model, "lm_head", None) is not None:
+        e = model.embed_tokens
+        total -= e.numel() * e.element_size()
+    return total
 
 
 def kv_bytes_per_token(arch, elem: int = 2) -> int:
@@ -135,7 +143,47 @@ def kv_bytes_per_token(arch, elem: int = 2) -> int:
 
 @torch.inference_mode()
 def hf_decode_ms(eng: Engine, ctx: int, batch: int = 1) -> float | None:
-    """HF transformers eager decode step with its own KV cache, same weights as ours."""
+    """HF transformers eager decode step (model forward) with its own KV cache, same shapes."""
+    hf = _hf_model(eng)
+    if hf is None:
+        return None
+    a = eng.arch
+    ids = torch.randint(0, a.vocab_size, (batch, ctx), device="cuda")
+    out = hf(ids, use_cache=True)
+    past = out.past_key_values
+    nxt = torch.randint(0, a.vocab_size, (batch, 1), device="cuda")
+    # NOTE: a DynamicCache grows on every call; crop back so every timed step sees ctx tokens.
+    def step():
+        hf(nxt, past_key_values=past, use_cache=True)
+        past.crop(ctx)
+    t = cuda_time_ms(step, iters=10, warmup=3)
+    del hf, past, out
+    torch.cuda.empty_cache()
+    return t
+
+
+@torch.inference_mode()
+def hf_generate_ms_per_token(eng: Engine, ctx: int, new_tokens: int = 32) -> float | None:
+    """HF `generate` (greedy, its default dynamic cache) per generated token at ~ctx context:
+    (time for 1 + new_tokens tokens - time for 1 token) / new_tokens, so the prompt's
+    prefill cancels out. This is what a user of HF transformers gets per token."""
+    hf = _hf_model(eng)
+    if hf is None:
+        return None
+    a = eng.arch
+    ids = torch.randint(0, a.vocab_size, (1, ctx), device="cuda")
+
+    def gen(n):
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    t_long = cuda_time_ms(lambda: gen(1 + new_tokens), iters=3, warmup=1)
+    t_short = cuda_time_ms(lambda: gen(1), iters=3, warmup=1)
+    del hf
+    torch.cuda.empty_cache()
+    return (t_long - t_short) / new_tokens
+
+
+def _hf_model(eng: Engine):
     try:
         import transformers
     except ImportError:
@@ -150,15 +198,7 @@ def hf_decode_ms(eng: Engine, ctx: int, batch: int = 1) -> float | None:
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(cfg)
     hf = hf.to_empty(device="cuda").to(torch.bfloat16).eval()
-    ids = torch.randint(0, a.vocab_size, (batch, ctx), device="cuda")
-    out = hf(ids, use_cache=True)
-    past = out.past_key_values
-    nxt = torch.randint(0, a.vocab_size, (batch, 1), device="cuda")
-    # NOTE: a DynamicCache grows on every call; crop back so every timed step sees ctx tokens.
-    def step():
-        hf(nxt, past_key_values=past, use_cache=True)
-        past.crop(ctx)
-    t = cuda_time_ms(step, iters=10, warmup=3)
-    del hf, past, out
-    torch.cuda.empty_cache()
-    return t
+    with torch.no_grad():
+        for p in hf.parameters():  # random, not uninitialised memory (NaNs would skew nothing
+            p.normal_(0, 0.02)     # in time, but keep the model well defined)
+    return hf

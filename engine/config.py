@@ -94,11 +94,17 @@ class DeviceConfig:
     # on one small machine should split the cores: oversubscribed OpenMP threads spin and run
     # ~10x slower than one thread each.
     cpu_threads: int | None = None
+    # Decode matmuls with at most this many rows run through the fused skinny-GEMM Triton
+    # kernels (norm / silu / residual fused); larger batches use cuBLAS. None: the tuned
+    # default (engine.kernels.skinny_gemm.DEFAULT_MAX_M); 0: off. CUDA only.
+    skinny_gemm_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
+        _check(self.skinny_gemm_max_batch is None or 0 <= self.skinny_gemm_max_batch <= 64,
+               f"skinny_gemm_max_batch must be in [0, 64], got {self.skinny_gemm_max_batch}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

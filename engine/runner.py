@@ -61,6 +61,20 @@ class ModelRunner:
         self.num_blocks = 0
         self.step_times: list[float] = []
         self.graphs = None  # engine.graphs.CUDAGraphRunner once captured
+        model.skinny_max_m = self._skinny_max_m()
+
+    def _skinny_max_m(self) -> int:
+        want = self.cfg.device.skinny_gemm_max_batch
+        if self.device.type != "cuda" or want == 0:
+            return 0
+        try:
+            from engine.kernels.skinny_gemm import DEFAULT_MAX_M
+        except ImportError:  # no triton: cuBLAS everywhere
+            log.warning("skinny GEMM kernels unavailable (triton import failed): decode uses cuBLAS")
+            return 0
+        m = DEFAULT_MAX_M if want is None else want
+        log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", m)
+        return m
 
     # ---- KV cache -------------------------------------------------------------------
     def bytes_per_block(self) -> int:

@@ -35,6 +35,11 @@ import triton.language as tl
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
 
 
+# Decode batches up to this many rows use the fused skinny path by default (see
+# DeviceConfig.skinny_gemm_max_batch); chosen from bench/skinny_gemm_sweep.py on an H200.
+DEFAULT_MAX_M = 16
+
+
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr,
                         M, N, K, up_off, stride_xm, stride_wn, stride_om, stride_rm, eps,

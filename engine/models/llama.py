@@ -48,14 +48,19 @@ class Attention(torch.nn.Module):
 
     def forward(self, rope, x, kv_cache, meta, kv_scales):
         """rope: (cos, sin, token_index) for this batch, computed once per forward."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        o = self.attend(rope, self.qkv_proj(x), kv_cache, meta, kv_scales)
+        return self.o_proj(o)
+
+    def attend(self, rope, qkv, kv_cache, meta, kv_scales):
+        """qkv [T, q+k+v] -> rope, KV write, attention -> [T, Hq * D] (before o_proj)."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(t, self.num_heads, self.head_dim)      # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = rotate_qk(q, k, *rope)
         o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, kv_scales)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return o.reshape(t, self.num_heads * self.head_dim)
 
 
 class MLP(torch.nn.Module):
@@ -89,6 +94,19 @@ class DecoderLayer(torch.nn.Module):
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
 
+    def forward_fused(self, rope, res, kv_cache, meta, kv_scales):
+        """Decode fast path: `res` [T, H] is the residual stream, updated IN PLACE.
+        4 skinny-GEMM launches: norm+qkv, o_proj+residual, norm+gate_up+silu, down+residual."""
+        from engine.kernels.skinny_gemm import skinny_linear
+
+        a, m = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = skinny_linear(res, a.qkv_proj.weight, a.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        o = a.attend(rope, qkv, kv_cache, meta, kv_scales)
+        skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res)
+        act = skinny_linear(res, m.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
+        skinny_linear(act, m.down_proj.weight, residual=res, out=res)
+
 
 class CausalLM(torch.nn.Module):
     def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, dtype: torch.dtype | None = None):
@@ -110,6 +128,9 @@ class CausalLM(torch.nn.Module):
                 torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
         for p in self.parameters():
             p.requires_grad_(False)
+        # Batches of <= skinny_max_m tokens take the fused skinny-GEMM path on CUDA (set by
+        # the runner from DeviceConfig.skinny_gemm_max_batch; 0 = never).
+        self.skinny_max_m = 0
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -122,6 +143,11 @@ class CausalLM(torch.nn.Module):
         cos, sin = self.rotary.cos_sin(positions)  # [T, D/2] f32, shared by every layer
         idx = torch.arange(input_ids.shape[0], device=input_ids.device) if input_ids.is_cuda else None
         rope = (cos, sin, idx)
+        if self._use_skinny(h):
+            # NOTE: h is a fresh tensor (embedding output): the fused path mutates it in place
+            for i, layer in enumerate(self.layers):
+                layer.forward_fused(rope, h, kv_caches[i], meta, kv_scales)
+            return self.norm(h)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(rope, h, residual, kv_caches[i], meta, kv_scales)
@@ -134,7 +160,17 @@ class CausalLM(torch.nn.Module):
         in the weight dtype (fp32 accumulation in cuBLAS) and the result is upcast --
         materialising an fp32 copy of a 128k-vocab lm_head per step would cost GBs."""
         w = self.lm_head_weight
+        if self._use_skinny(hidden):
+            from engine.kernels.skinny_gemm import skinny_linear
+
+            return skinny_linear(hidden.to(w.dtype), w, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+
+    def _use_skinny(self, x: torch.Tensor) -> bool:
+        from engine.kernels.common import interpreting
+
+        return (0 < x.shape[0] <= self.skinny_max_m and (x.is_cuda or interpreting())
+                and x.dtype == self.embed_tokens.dtype)
 
     # ---- weights ----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
+# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|engine|sweep|services ...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+export PYTHONUNBUFFERED=1 SPLITSERVE_BENCH_DIR=$OUT
+export SPLITSERVE_COMMIT=${SPLITSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+steps=${*:-tests engine sweep}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+for s in $steps; do
+  t0=$(date +%s)
+  case $s in
+    tests)
+      SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    engine)
+      timeout 300 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
+    sweep)
+      timeout 300 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
+    services)
+      SPLITSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/services ${SERVICE_TEST_ARGS:-} 2>&1 | tee "$OUT/services.log" | tail -25 ;;
+    *) echo "unknown step $s" ;;
+  esac
+  echo "== step $s took $(( $(date +%s) - t0 ))s"
+done
