@@ -49,14 +49,17 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
         print("  ", rows[-1], flush=True)
     # the same step with cuBLAS matmuls + separate norm/activation kernels (skinny path off)
     skinny_m = eng.runner.model.skinny_max_m
-    if skinny_m:
-        eng.runner.model.skinny_max_m = 0
-        eng.runner.maybe_capture_graphs(max_ctx + 64, eng.runner.model.attn_backend.name)
-        for b, c in [(1, 1024), (8, 1024)]:
-            t = time_decode(eng, b, c, eager=False)
-            rows.append({"shape": shape, "case": f"decode b={b} ctx={c} cuBLAS (skinny off)",
-                         "graph_ms": round(t["graph_ms"], 3)})
-            print("  ", rows[-1], flush=True)
+    print(f"[{shape}] fused skinny-GEMM decode path for batches <= {skinny_m}", flush=True)
+    if not quick:
+        # fused skinny-GEMM path vs cuBLAS + separate norm/activation kernels, same graphs
+        for m in (16, 0):
+            eng.runner.model.skinny_max_m = m
+            eng.runner.maybe_capture_graphs(max_ctx + 64, eng.runner.model.attn_backend.name)
+            for b in (1, 2, 4, 8, 16):
+                t = time_decode(eng, b, 1024, eager=False)
+                rows.append({"shape": shape, "case": f"decode b={b} ctx=1024 " + ("skinny" if m else "cuBLAS"),
+                             "graph_ms": round(t["graph_ms"], 3)})
+                print("  ", rows[-1], flush=True)
         eng.runner.model.skinny_max_m = skinny_m
     for n in (PREFILL_LENS if not quick else [512, 4096]):
         ms = time_prefill(eng, n)

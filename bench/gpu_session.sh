@@ -12,13 +12,16 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for s in $steps; do
   t0=$(date +%s)
   case $s in
+    ktests)
+      SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/kernels/test_skinny_gemm.py tests/kernels/test_model_skinny.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
     tests)
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     engine)
-      timeout 300 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
+      timeout 150 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
     sweep)
-      timeout 300 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
+      timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
     services)
       SPLITSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/services ${SERVICE_TEST_ARGS:-} 2>&1 | tee "$OUT/services.log" | tail -25 ;;

@@ -1,50 +1,68 @@
-"""Skinny decode GEMM sweep on one GPU: our Triton kernel (every tile config) vs cuBLAS for
-the matmuls of a decode step (Llama-3.2-1B and Llama-3.1-8B shapes), M = 1..64 rows.
+"""Skinny decode GEMM sweep on one GPU: the exact fused matmuls of a decode step (norm+qkv,
+o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
+Llama-3.1-8B shapes, every candidate tile config vs cuBLAS, M = 1..16 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,2,4,8,16,32,64] [--quick]
+    python -m bench.skinny_gemm_sweep [--m 1,2,4,8,16] [--write-table]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
-copies to defeat the 50 MB L2 (>= 512 MB per case); replayed, CUDA events, median of
-several replays / R. Bandwidth counts weight + activation bytes read and outputs written.
-Ceilings measured in the same run: device copy (read + write) and a pure read (sum).
-Prints the best config per case next to default_config's and cuBLAS, writes JSON.
+copies to defeat the L2 (>= 512 MB per case); replayed, CUDA events, median / R.
+Bandwidth: weight + activation bytes read and outputs written, over the time.
+cuBLAS baseline: the unfused ops the fused kernel replaces (our Triton rmsnorm where the
+kernel fuses a norm, F.linear, silu*mul where it fuses silu, the residual add).
+Ceiling measured in the same run: a pure read (sum over 1 GiB).
+--write-table writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.json (the
+engine's tuned table, engine/kernels/skinny_configs.py) with max_m = the largest M whose
+fused step total beats cuBLAS's on every shape.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
+import os
 import statistics
 
 import torch
 
 from bench.common import print_table, write_result
-from engine.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear
+from engine.kernels.rmsnorm import rms_norm
+from engine.kernels.skinny_configs import table_path
+from engine.kernels.skinny_gemm import SkinnyConfig, skinny_linear
 
-SHAPES = {  # name: (hidden, q+2kv, intermediate, vocab)
-    "llama-3.2-1b": (2048, 2048 + 2 * 512, 8192, 128256),
-    "llama-3.1-8b": (4096, 4096 + 2 * 1024, 14336, 128256),
+SHAPES = {  # name: (hidden, q_size, q+2kv, intermediate, vocab)
+    "llama-3.2-1b": (2048, 2048, 2048 + 2 * 512, 8192, 128256),
+    "llama-3.1-8b": (4096, 4096, 4096 + 2 * 1024, 14336, 128256),
 }
+LAYERS = {"llama-3.2-1b": 16, "llama-3.1-8b": 32}
 
 
-def cases(shape: str):
-    h, qkv, i, v = SHAPES[shape]
-    # (op, N_out, K, silu)
-    return [("qkv", qkv, h, False), ("o_proj", h, h, False), ("gate_up+silu", i, h, True),
-            ("down", h, i, False), ("lm_head", v, h, False)]
+def step_us(rows: list[dict], key: str) -> float:
+    """Matmul time of a whole decode step: the 4 per-layer ops x layers + lm_head."""
+    return sum(r[key] * (1 if r["op"] == "lm_head" else LAYERS[r["shape"]]) for r in rows)
+SMEM_LIMIT = 200 * 1024
 
 
-def graph_time_us(fn_list, replays: int = 15) -> float:
-    """fn_list: callables launched in sequence inside one CUDA graph; -> us per callable."""
+def ops(shape: str):
+    h, q, qkv, i, v = SHAPES[shape]
+    # (name, N_out, K, norm, silu, resid, fp32 out)
+    return [("norm+qkv", qkv, h, True, False, False, False),
+            ("o_proj+res", h, q, False, False, True, False),
+            ("norm+gate_up+silu", i, h, True, True, False, False),
+            ("down+res", h, i, False, False, True, False),
+            ("lm_head", v, h, False, False, False, True)]
+
+
+def graph_time_us(fns, replays: int = 15) -> float:
+    """fns: callables launched in sequence inside one CUDA graph; -> us per callable."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for f in fn_list:  # warm-up / compile outside capture
+        for f in fns:  # warm-up / compile outside capture
             f()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for f in fn_list:
+        for f in fns:
             f()
     g.replay()
     torch.cuda.synchronize()
@@ -55,110 +73,154 @@ def graph_time_us(fn_list, replays: int = 15) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fn_list))
+        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
     del g
     return statistics.median(ts)
 
 
-def ceilings() -> dict:
-    n = 1 << 30
-    x = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    cp = graph_time_us([lambda: y.copy_(x)] * 4)
-    rd = graph_time_us([lambda: x.sum(dtype=torch.float32)] * 4)
-    return {"copy_gbs": round(2 * n / cp / 1e3, 1), "read_gbs": round(n / rd / 1e3, 1)}
+def read_gbs() -> float:
+    x = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")
+    us = graph_time_us([lambda: x.sum(dtype=torch.float32)] * 4)
+    return x.numel() * 2 / us / 1e3
 
 
-def configs(m: int, quick: bool):
-    if m == 1:
-        fma = [SkinnyConfig(bn, bk, w, st, False)
-               for bn, bk, w, st in itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 3))]
-        if quick:
-            fma = fma[::3]
-    else:
-        fma = []
-    dot = [SkinnyConfig(bn, bk, 4, st, True)
-           for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 5))]
-    if quick:
-        dot = dot[::2]
-    return fma + dot
+def candidates(m: int, silu: bool) -> list[SkinnyConfig]:
+    out = []
+    if m <= 8:
+        fma = {1: [(2, 1024, 8), (4, 1024, 8), (8, 1024, 8), (4, 512, 4), (8, 512, 4), (4, 2048, 8)],
+               2: [(2, 1024, 8), (4, 512, 8), (4, 1024, 8), (8, 512, 8)],
+               4: [(2, 512, 8), (4, 256, 8), (4, 512, 8), (2, 256, 4)],
+               8: [(2, 256, 8), (4, 128, 8), (2, 128, 4), (4, 256, 8)]}[m]
+        for bn, bk, w in fma:
+            for st in ((1, 3) if m == 1 else (1,)):
+                out.append(SkinnyConfig(bn, bk, w, st, False))
+    for bn in (16, 32, 64):
+        for bk in (128, 256):
+            for st in (3, 5):
+                c = SkinnyConfig(bn, bk, 4, st, True)
+                if c.smem_bytes(m, silu) <= SMEM_LIMIT:
+                    out.append(c)
+    return out
 
 
-def bench_case(m: int, n: int, k: int, silu: bool, cfgs, rows_out: list, shape: str, op: str):
+def cfg_name(c: SkinnyConfig) -> str:
+    return f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+
+
+def bench_op(shape, op, m, log_rows):
+    name, n, k, norm, silu, resid, f32 = op
     nw = 2 * n if silu else n
     wbytes = nw * k * 2
     copies = max(2, -(-(512 << 20) // wbytes))
     ws = [torch.randn(nw, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    nbytes = wbytes + m * k * 2 + m * n * 2
-    # correctness of every config against fp32 torch on this shape (fresh inputs)
-    ref = x.float() @ ws[0].float().T
-    if silu:
-        ref = torch.nn.functional.silu(ref[:, :n].bfloat16().float()).bfloat16().float() * ref[:, n:].bfloat16().float()
-    res = {}
-    for c in cfgs:
+    g = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16() if norm else None
+    res = torch.randn(m, n, dtype=torch.bfloat16, device="cuda") if resid else None
+    out = torch.empty(m, n, dtype=torch.float32 if f32 else torch.bfloat16, device="cuda")
+    nbytes = wbytes + m * k * 2 + m * n * out.element_size() * (2 if resid else 1)
+
+    def fused(w, c):
+        return skinny_linear(x, w, norm_weight=g, eps=1e-5, silu=silu,
+                             residual=res if resid else None, out=out, config=c)
+
+    def unfused(w):
+        h = rms_norm(x, g, 1e-5) if norm else x
+        y = torch.nn.functional.linear(h, w)
+        if silu:
+            y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+        if resid:
+            y = y + res
+        return y.float() if f32 else y
+
+    want = unfused(ws[0]).float()
+    results = {}
+    for c in candidates(m, silu):
         try:
-            got = skinny_linear(x, ws[0], silu=silu, config=c)
-            err = ((got.float() - ref).norm() / ref.norm()).item()
-            if not err < 2e-2:
-                res[c] = (float("nan"), err)
+            r0 = res.clone() if resid else None
+            got = skinny_linear(x, ws[0], norm_weight=g, eps=1e-5, silu=silu, residual=r0,
+                                config=c, out_dtype=out.dtype).float()
+            err = ((got - want).norm() / want.norm()).item()
+            if not err < 3e-2:
+                results[cfg_name(c)] = (c, float("nan"), f"wrong: rel err {err:.3g}")
                 continue
-            us = graph_time_us([lambda w=w, c=c: skinny_linear(x, w, silu=silu, out=out, config=c) for w in ws])
-            res[c] = (us, err)
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
-            res[c] = (float("nan"), repr(e)[:80])
-    # cuBLAS (+ a separate silu*mul for gate_up, as the unfused engine does)
-    if silu:
-        def cub(w):
-            y = torch.nn.functional.linear(x, w)
-            return torch.nn.functional.silu(y[:, :n]) * y[:, n:]
-    else:
-        def cub(w):
-            return torch.nn.functional.linear(x, w)
-    cub_us = graph_time_us([lambda w=w: cub(w) for w in ws])
-    dflt = default_config(m, n, k, x.device, silu)
-    if dflt not in res:
-        got = skinny_linear(x, ws[0], silu=silu, config=dflt)
-        res[dflt] = (graph_time_us([lambda w=w: skinny_linear(x, w, silu=silu, out=out, config=dflt) for w in ws]),
-                     ((got.float() - ref).norm() / ref.norm()).item())
-    ok = {c: v for c, v in res.items() if v[0] == v[0]}
-    best = min(ok, key=lambda c: ok[c][0])
-    bad = [f"{c}: {v[1]}" for c, v in res.items() if v[0] != v[0]]
-    row = {"shape": shape, "op": op, "M": m, "N": n, "K": k,
-           "cublas_us": round(cub_us, 2), "cublas_gbs": round(nbytes / cub_us / 1e3),
-           "best_us": round(ok[best][0], 2), "best_gbs": round(nbytes / ok[best][0] / 1e3),
-           "best_cfg": f"{'dot' if best.use_dot else 'fma'} n{best.block_n} k{best.block_k} w{best.num_warps} s{best.num_stages}",
-           "default_us": round(res[dflt][0], 2), "default_gbs": round(nbytes / res[dflt][0] / 1e3),
-           "best/cublas": round(cub_us / ok[best][0], 3), "failed_cfgs": len(bad)}
-    rows_out.append({**row, "all": {f"{c}": [round(v[0], 2), v[1]] for c, v in res.items()}})
-    print({k2: v for k2, v in row.items()}, flush=True)
-    if bad:
-        print("   failed:", bad[:3], flush=True)
+            results[cfg_name(c)] = (c, graph_time_us([lambda w=w, c=c: fused(w, c) for w in ws]), None)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            results[cfg_name(c)] = (c, float("nan"), repr(e)[:100])
+    cub = graph_time_us([lambda w=w: unfused(w) for w in ws])
+    ok = sorted((v[1], key) for key, v in results.items() if v[1] == v[1])
+    best_us, best_key = ok[0]
+    row = {"shape": shape, "op": name, "M": m, "N": n, "K": k,
+           "cublas_us": round(cub, 2), "cublas_gbs": round(nbytes / cub / 1e3),
+           "best_us": round(best_us, 2), "best_gbs": round(nbytes / best_us / 1e3), "best_cfg": best_key,
+           "speedup": round(cub / best_us, 3),
+           "top3": [f"{key} {us:.1f}" for us, key in ok[:3]],
+           "failed": {key: v[2] for key, v in results.items() if v[2]},
+           "best": list(results[best_key][0].__dict__.values())}
+    log_rows.append(row)
+    print({kk: row[kk] for kk in ("shape", "op", "M", "cublas_us", "best_us", "best_gbs", "best_cfg", "speedup", "top3")},
+          flush=True)
     del ws
     torch.cuda.empty_cache()
+    return row
+
+
+def write_table(rows: list[dict], ms: list[int]) -> str:
+    name = torch.cuda.get_device_name()
+    # max_m: largest M (prefix of ms) whose fused per-step total beats cuBLAS on every shape
+    max_m = 0
+    for m in ms:
+        wins = True
+        for shape in {r["shape"] for r in rows}:
+            sel = [r for r in rows if r["shape"] == shape and r["M"] == m]
+            if not sel or step_us(sel, "best_us") >= step_us(sel, "cublas_us"):
+                wins = False
+        if not wins:
+            break
+        max_m = m
+    doc = {"device": name, "max_m": max_m, "source": "bench/skinny_gemm_sweep.py",
+           "entries": [{"n": r["N"], "k": r["K"],
+                        "silu": "silu" in r["op"], "m": r["M"], "cfg": r["best"],
+                        "us": r["best_us"], "cublas_us": r["cublas_us"]} for r in rows]}
+    path = table_path(name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    out = os.environ.get("SPLITSERVE_BENCH_DIR")
+    if out:
+        with open(os.path.join(out, os.path.basename(path)), "w") as f:
+            json.dump(doc, f, indent=1)
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="1,2,4,8,16,32,64")
-    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--m", default="1,2,4,8,16")
+    ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
+    ap.add_argument("--write-table", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
-    ceil = ceilings()
-    print("ceilings:", ceil, flush=True)
-    rows: list[dict] = []
+    rgbs = read_gbs()
+    print(f"read ceiling {rgbs:.0f} GB/s", flush=True)
     ms = [int(v) for v in a.m.split(",")]
+    rows: list[dict] = []
     for shape in a.shapes.split(","):
-        for op, n, k, silu in cases(shape):
-            for m in ms:
-                bench_case(m, n, k, silu, configs(m, a.quick), rows, shape, op)
-    cols = ["shape", "op", "M", "cublas_us", "cublas_gbs", "best_us", "best_gbs", "best_cfg",
-            "default_us", "default_gbs", "best/cublas"]
-    print_table(rows, cols)
-    path = write_result("skinny_gemm_sweep", {"m": ms, "shapes": a.shapes, "dtype": "bf16", **ceil},
-                        {"rows": rows})
+        for m in ms:
+            for op in ops(shape):
+                bench_op(shape, op, m, rows)
+        if a.write_table:  # after each shape: a run cut short still leaves a table
+            print("wrote table", write_table(rows, ms), flush=True)
+    for shape in a.shapes.split(","):
+        for m in ms:
+            sel = [r for r in rows if r["shape"] == shape and r["M"] == m and "best" in r]
+            cu, be = step_us(sel, "cublas_us"), step_us(sel, "best_us")
+            rows.append({"shape": shape, "op": "step matmuls (ops x layers + lm_head)", "M": m,
+                         "cublas_us": round(cu, 1), "best_us": round(be, 1), "speedup": round(cu / be, 3)})
+    print_table(rows, ["shape", "op", "M", "cublas_us", "cublas_gbs", "best_us", "best_gbs", "best_cfg", "speedup"])
+    tuned = [r for r in rows if "best" in r]
+    if a.write_table:
+        print("wrote table", write_table(tuned, ms), flush=True)
+    path = write_result("skinny_gemm_sweep", {"m": ms, "shapes": a.shapes, "dtype": "bf16",
+                                              "read_gbs": round(rgbs, 1)}, {"rows": rows})
     print("wrote", path)
 
 

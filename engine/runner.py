@@ -68,11 +68,11 @@ class ModelRunner:
         if self.device.type != "cuda" or want == 0:
             return 0
         try:
-            from engine.kernels.skinny_gemm import DEFAULT_MAX_M
+            from engine.kernels.skinny_gemm import tuned_max_m
         except ImportError:  # no triton: cuBLAS everywhere
             log.warning("skinny GEMM kernels unavailable (triton import failed): decode uses cuBLAS")
             return 0
-        m = DEFAULT_MAX_M if want is None else want
+        m = tuned_max_m(self.device) if want is None else want
         log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", m)
         return m
 

@@ -18,14 +18,19 @@ and no separate norm / activation / residual kernels:
   BIAS:  y += bias[n] before the epilogues above.
 
 Two inner products: USE_DOT (tensor cores, x padded to BLOCK_M >= 16 rows; the weight tile
-goes through shared memory with cp.async / TMA pipelining) and the FMA path for M == 1
-(weight tile straight to registers, fp32 products, one reduction after the loop).
+goes through shared memory with cp.async / TMA pipelining) and the FMA path for a few rows
+(weight tile straight to registers, fp32 products into a [BLOCK_M, BLOCK_N, BLOCK_K]
+accumulator, one reduction over K after the loop; registers grow with BLOCK_M * BLOCK_N *
+BLOCK_K, so it suits M <= 8 with small tiles). The FMA path can use BLOCK_N down to 1-4
+rows, which gives the N=2048..4096 matmuls enough programs to fill the GPU without split-K;
+the dot path cannot go below 16 rows.
 
 NOTE: rounding differs from the unfused torch sequence by ~1 bf16 ulp (the norm's scale is
 applied after the dot product, not before it); the torch reference below is the oracle.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +66,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr,
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     ssq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_k0
@@ -107,15 +112,16 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr,
                 else:
                     acc_u += tl.dot(xd, tl.trans(wu), input_precision=PREC)
         else:
-            acc += w.to(tl.float32) * xf  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+            # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K]; reduced over K after the loop
+            acc += w.to(tl.float32)[None, :, :] * xf[:, None, :]
             if SILU:
-                acc_u += wu.to(tl.float32) * xf
+                acc_u += wu.to(tl.float32)[None, :, :] * xf[:, None, :]
     if USE_DOT:
         y = acc
         y_u = acc_u
     else:
-        y = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]
-        y_u = tl.sum(acc_u, 1)[None, :]
+        y = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_N]
+        y_u = tl.sum(acc_u, 2)
     if NORM:
         rstd = tl.rsqrt(ssq / K + eps)
         y = y * rstd[:, None]
@@ -146,26 +152,58 @@ class SkinnyConfig:
     use_dot: bool
 
     def block_m(self, m: int) -> int:
-        return max(16, triton.next_power_of_2(m)) if self.use_dot else 1
+        p = triton.next_power_of_2(m)
+        return max(16, p) if self.use_dot else p
+
+    def smem_bytes(self, m: int, silu: bool, elem: int = 2) -> int:
+        """Shared memory the dot path's pipeline needs (x and weight tiles per stage)."""
+        if not self.use_dot:
+            return 0
+        return self.num_stages * self.block_k * elem * (self.block_m(m) + self.block_n * (2 if silu else 1))
 
 
 def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> SkinnyConfig:
-    """Tile choice for a problem. Memory-bound: aim for several programs per SM (so each SM
-    keeps enough loads in flight) with weight tiles of 8-16 KiB per pipeline stage.
-    NOTE: tuned on an H200 by bench/skinny_gemm_sweep.py; see its results JSON."""
+    """The tuned table's config for this GPU and shape (engine/kernels/skinny_configs.py),
+    else a heuristic: memory-bound, so aim for several programs per SM (each SM must keep
+    enough loads in flight) with 4-16 KiB weight tiles per pipeline stage."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from engine.kernels.skinny_configs import lookup
+
+        hit = lookup(_device_name(device), m, n, k, silu)
+        if hit is not None:
+            return SkinnyConfig(*hit)
     sms = num_sms(device)
-    use_dot = m > 1
-    block_k = 256 if use_dot else 512
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    # smallest BLOCK_N (>= 16 for tl.dot) that still leaves >= 2 waves of programs
-    block_n = 64 if use_dot else 32
-    min_bn = 16 if use_dot else 4
-    while block_n > min_bn and triton.cdiv(n, block_n) < 4 * sms:
+    use_dot = m > 4
+    if use_dot:
+        block_k = min(128, max(16, triton.next_power_of_2(k)))
+        block_n = 64
+        while block_n > 16 and triton.cdiv(n, block_n) < 4 * sms:
+            block_n //= 2
+        return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, use_dot=True)
+    # FMA: accumulator registers ~ BLOCK_M * BLOCK_N * BLOCK_K / threads (x2 with silu)
+    block_k = min(1024 // triton.next_power_of_2(m), max(16, triton.next_power_of_2(k)))
+    block_n = 8
+    while block_n > 2 and triton.cdiv(n, block_n) < 8 * sms:
         block_n //= 2
-    if silu and use_dot:
-        block_n = max(min_bn, block_n // 2)  # two weight tiles per stage
-    return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4,
-                        num_stages=4 if use_dot else 3, use_dot=use_dot)
+    if silu:
+        block_n = max(2, block_n // 2)
+    return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=8, num_stages=1, use_dot=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def tuned_max_m(device: torch.device) -> int:
+    """Largest decode batch for which the fused kernels beat cuBLAS on this GPU (tuned
+    table), else DEFAULT_MAX_M."""
+    from engine.kernels.skinny_configs import tuned_max_m as _t
+
+    device = torch.device(device)
+    m = _t(_device_name(device)) if device.type == "cuda" else None
+    return DEFAULT_MAX_M if m is None else int(m)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -201,8 +239,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     cfg = config or default_config(M, N, K, x.device, silu)
     bm = cfg.block_m(M)
-    if bm < M:
-        raise ValueError(f"skinny_linear handles M <= {bm} with this config, got M={M}")
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
     grid = (triton.cdiv(N, cfg.block_n),)
     _skinny_gemm_kernel[grid](
