@@ -34,3 +34,22 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     """NOTE: the Triton interpreter computes tl.dot on bf16 operands wrongly (raw bits), so
     under the interpreter bf16 kernels upcast their dot operands to fp32. Never on GPU."""
     return dtype == torch.bfloat16 and interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, a Triton that has gdc_wait, not the
+    interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(idx) >= (9, 0)

@@ -85,6 +85,16 @@ class AttentionBackend:
                 kv_scales: KVScales | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
+                     kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     kv_scales: KVScales | None = None) -> torch.Tensor:
+        """forward() on un-rotated q / k: rope = (cos, sin, token_index) of this batch.
+        Backends may fuse the rotation into their KV write (Triton does)."""
+        from engine.layers.rotary import rotate_qk
+
+        q, k = rotate_qk(q, k, *rope)
+        return self.forward(layer, q, k, v, kv_cache, meta, kv_scales)
+
 
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,

@@ -17,7 +17,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScales
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.rmsnorm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, rotate_qk
+from engine.layers.rotary import RotaryEmbedding
 from engine.models.arch import ModelArch
 
 log = logging.getLogger("splitserve.engine.model")
@@ -58,8 +58,8 @@ class Attention(torch.nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)      # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rotate_qk(q, k, *rope)
-        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, kv_scales)  # [T, Hq, D]
+        # rotary + KV write + attention (the backend may fuse the rotation into its KV write)
+        o = self.backend.forward_rope(self.layer_idx, q, k, v, rope, kv_cache, meta, kv_scales)  # [T, Hq, D]
         return o.reshape(t, self.num_heads * self.head_dim)
 
 
