@@ -183,7 +183,7 @@ def _graph_engine_eager(path: str) -> Engine:
 
 def test_prefill_graph_counters_and_metrics(hf_dir):
     path, _ = hf_dir
-    eng = _graph_engine(path, "bf16")
+    eng = _graph_engine(path, "bf16", "auto")  # the replay test's engine (one capture)
     r = eng.runner
     pg, dg = r.prefill_graphs, r.graphs
     blk = _Blocks(600)
