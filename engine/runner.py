@@ -141,6 +141,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size)
         if self.kv_scales is not None:
             self._calibrate_fp8()
+        # a re-capture (e.g. after changing the model's matmul path) frees the old graphs first
+        self.graphs = self.prefill_graphs = None
         # NOTE: one pool for both kinds, largest activations first: prefill buckets (up to
         # thousands of tokens) before decode buckets (up to max_num_seqs rows).
         pool = torch.cuda.graph_pool_handle()
