@@ -34,10 +34,11 @@ NOTE (attention under graphs): the Triton prefill kernel's grid is (b // BLOCK_Q
 fixed by shapes; a program whose sequence has no query rows exits at once, and query rows
 outside every sequence are never written (their garbage, NaN included, stays in padding rows:
 every other op is row-wise, and the gather reads real rows only; the one cross-row reduction,
-fp8 KV-scale calibration, runs on a clean batch before capture and never again). AttentionMetadata's host values are
-upper bounds under a graph (max_query_len = b, max_seq_len = W * block_size) and its host
-copies (seq_lens_cpu, query_start_loc_cpu) are None: a backend may use them for sizes only as
-bounds (flash-attn's varlen grid), never as exact values. Triton ignores them.
+fp8 KV-scale calibration, runs on a clean batch before capture and never again).
+AttentionMetadata's host values are upper bounds under a graph (max_query_len = b,
+max_seq_len = W * block_size) and its host copies (seq_lens_cpu, query_start_loc_cpu) are
+None: a backend may use them for sizes only as bounds (flash-attn's varlen grid), never as
+exact values. Triton ignores them.
 """
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ from engine.layers.attention import AttentionMetadata
 MIN_BUCKET = 16
 FINE_UNTIL = 128  # steps of MIN_BUCKET up to here, then BUCKETS_PER_OCTAVE per power of two
 BUCKETS_PER_OCTAVE = 4
-DEFAULT_MAX_SEQS = 64
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
