@@ -13,6 +13,7 @@ import torch
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.layers.attention import AttentionMetadata
+from engine.runner import StepInput
 
 
 def cuda_time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
@@ -95,8 +96,8 @@ def time_decode(eng: Engine, batch: int, ctx: int, eager: bool = True) -> dict:
     return res
 
 
-@torch.inference_mode()
-def time_prefill(eng: Engine, n_tokens: int) -> float:
+def prefill_inputs(eng: Engine, n_tokens: int):
+    """One fresh prompt of n_tokens on blocks 0..: (ids, positions, meta, rows for the runner)."""
     bs = eng.cfg.cache.block_size
     dev = eng.runner.device
     nblk = -(-n_tokens // bs)
@@ -109,12 +110,45 @@ def time_prefill(eng: Engine, n_tokens: int) -> float:
         max_query_len=n_tokens, max_seq_len=n_tokens, block_size=bs,
         seq_lens_cpu=[n_tokens], query_start_loc_cpu=[0, n_tokens])
     ids = torch.randint(0, eng.arch.vocab_size, (n_tokens,), device=dev)
+    rows = [StepInput("bench", ids.tolist(), 0, list(range(nblk)), True)]
+    return ids, pos, meta, rows
+
+
+@torch.inference_mode()
+def time_prefill(eng: Engine, n_tokens: int, graphs: bool = False) -> float:
+    """ms of one prefill step of n_tokens (one sequence, last row's logits).
+    graphs=False: the eager model on prebuilt device tensors (host launch overhead included,
+    host input building excluded). graphs=True: PrefillGraphRunner.run, i.e. host staging of
+    the padded inputs + one upload + replay of the token bucket's graph; nan when no prefill
+    graph takes n_tokens (graphs off, or above the largest bucket)."""
+    ids, pos, meta, rows = prefill_inputs(eng, n_tokens)
     r = eng.runner
+    if graphs:
+        pg = r.prefill_graphs
+        if pg is None or pg.plan(rows)[0] is None:
+            return float("nan")
+        return cuda_time_ms(lambda: pg.run(rows), iters=20, warmup=3)
 
     def run():
         h = r.model(ids, pos, r.kv_caches, meta, r.kv_scales)
         return r.model.compute_logits(h[-1:])
     return cuda_time_ms(run, iters=5, warmup=2)
+
+
+def time_prefill_graphs(eng: Engine, lens=(128, 512, 2048)) -> list[dict]:
+    """Prefill step time eager vs through the prefill graphs, per prompt length, for the JSON:
+    [{"tokens", "bucket", "eager_ms", "graph_ms", "speedup"}]. Needs an engine built with
+    graphs on (make_engine(..., eager=False)); its max_num_batched_tokens caps the buckets."""
+    out = []
+    pg = eng.runner.prefill_graphs
+    for n in lens:
+        eager = time_prefill(eng, n)
+        graph = time_prefill(eng, n, graphs=True)
+        rows = prefill_inputs(eng, n)[3]
+        out.append({"tokens": n, "bucket": pg.plan(rows)[0] if pg is not None else None,
+                    "eager_ms": round(eager, 3), "graph_ms": round(graph, 3),
+                    "speedup": round(eager / graph, 2) if graph == graph else None})
+    return out
 
 
 def model_flops_per_token(arch, ctx: int) -> float:

@@ -13,6 +13,7 @@ All names start with `splitserve_`; times are seconds, sizes bytes.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
@@ -27,6 +28,9 @@ _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 
          80.0, 160.0)
 
 ADMISSION_DECISIONS = ("admit", "queue", "reject")
+# per-kind CUDA-graph stats keys (engine/graphs.py graph_metrics)
+_GRAPH_KEY = re.compile(r"^cuda_graph_([a-z]+)_(captured_count|replay_total|capture_failed_total"
+                        r"|fallback_([a-z_]+)_total)$")
 
 
 class ServiceMetrics:
@@ -95,6 +99,24 @@ class ServiceMetrics:
                                             registry=r)
         self.cuda_graphs_captured = Gauge("splitserve_cuda_graphs_captured",
                                           "Number of captured CUDA graphs", registry=r)
+        # per kind (decode: batch-size buckets, prefill: token-count buckets); the unlabelled
+        # series above stay the totals
+        self.cuda_graphs_captured_by_kind = Gauge(
+            "splitserve_cuda_graphs_captured_by_kind", "Captured CUDA graphs by kind", ["kind"],
+            registry=r)
+        self.cuda_graph_replays_by_kind = Counter(
+            "splitserve_cuda_graph_replays_by_kind", "CUDA graph replays by kind", ["kind"],
+            registry=r)
+        self.cuda_graph_fallbacks_by_reason = Counter(
+            "splitserve_cuda_graph_eager_fallbacks_by_reason",
+            "Steps run eager instead of a graph, by kind and reason (decode: batch|blocks|"
+            "no_graph; prefill: tokens|seqs|blocks|no_graph)", ["kind", "reason"], registry=r)
+        self.cuda_graph_capture_failures = Counter(
+            "splitserve_cuda_graph_capture_failures", "CUDA graph captures that failed (those "
+            "buckets run eager)", ["kind"], registry=r)
+        self.cuda_graph_memory = Gauge("splitserve_cuda_graph_memory_bytes",
+                                       "GPU memory held by CUDA graphs and their static buffers",
+                                       registry=r)
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -127,6 +149,30 @@ class ServiceMetrics:
                            stats.get("cuda_graph_replay_total"))
         self._sync_counter("graph_fallbacks", self.cuda_graph_fallbacks,
                            stats.get("cuda_graph_eager_fallback_total"))
+        self._update_graph_kinds(stats)
+
+    def _update_graph_kinds(self, stats: dict) -> None:
+        """Per-kind graph counters from engine/graphs.py's graph_metrics() keys:
+        cuda_graph_{kind}_{captured_count,replay_total,capture_failed_total} and
+        cuda_graph_{kind}_fallback_{reason}_total."""
+        v = stats.get("cuda_graph_memory_bytes")
+        if isinstance(v, (int, float)):
+            self.cuda_graph_memory.set(v)
+        for key, val in stats.items():
+            m = _GRAPH_KEY.match(key)
+            if m is None or not isinstance(val, (int, float)):
+                continue
+            kind, what, reason = m.group(1), m.group(2), m.group(3)
+            if what == "captured_count":
+                self.cuda_graphs_captured_by_kind.labels(kind=kind).set(val)
+                continue
+            if what == "replay_total":
+                counter = self.cuda_graph_replays_by_kind.labels(kind=kind)
+            elif what == "capture_failed_total":
+                counter = self.cuda_graph_capture_failures.labels(kind=kind)
+            else:
+                counter = self.cuda_graph_fallbacks_by_reason.labels(kind=kind, reason=reason)
+            self._sync_counter(key, counter, val)  # NOTE: labels() alone makes the series exist at 0
 
     def observe_kv_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.kv_transfer_bytes.labels(direction=direction).inc(nbytes)

@@ -12,6 +12,8 @@ from common.envs import env_bool, env_int, env_str
 from engine.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, ModelConfig,
                            SchedulerConfig)
 
+DEFAULT_PREFILL_GRAPH_TOKENS = DeviceConfig.cuda_graph_max_prefill_tokens
+
 
 def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default=env_str("SPLITSERVE_HOST", "127.0.0.1"),
@@ -44,6 +46,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true",
                    default=env_bool("SPLITSERVE_ENFORCE_EAGER", False))
+    g.add_argument("--cuda-graph-max-batch", type=int,
+                   default=env_int("SPLITSERVE_CUDA_GRAPH_MAX_BATCH"),
+                   help="largest decode batch replayed through a CUDA graph (default max-num-seqs)")
+    g.add_argument("--cuda-graph-max-prefill-tokens", type=int,
+                   default=env_int("SPLITSERVE_CUDA_GRAPH_MAX_PREFILL_TOKENS"),
+                   help="largest prefill/mixed step (tokens) replayed through a CUDA graph, capped "
+                        "by max-num-batched-tokens; larger steps run eager; 0 disables (default "
+                        f"{DEFAULT_PREFILL_GRAPH_TOKENS}; 0 on decode, which prefills only to "
+                        "recompute preempted requests)")
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--cpu-threads", type=int, default=env_int("SPLITSERVE_CPU_THREADS"),
                    help="CPU intra-op threads for this engine (default on CPU: half the cores, "
@@ -68,9 +79,16 @@ def _cpu_threads(device: str, threads: int | None) -> int | None:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = True) -> EngineConfig:
-    """-> validated EngineConfig; raises ConfigError with the offending value named."""
+def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = True,
+                            role: str | None = None) -> EngineConfig:
+    """-> validated EngineConfig; raises ConfigError with the offending value named.
+    role "decode": prefill CUDA graphs default to off (that service prefills only to recompute
+    preempted requests, mostly mixed with more decode rows than a prefill graph holds, and its
+    GPU memory is better spent on KV blocks)."""
     device = _device(a.device)
+    prefill_graph_tokens = a.cuda_graph_max_prefill_tokens
+    if prefill_graph_tokens is None:
+        prefill_graph_tokens = 0 if role == "decode" else DEFAULT_PREFILL_GRAPH_TOKENS
     try:
         return EngineConfig(
             model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
@@ -83,6 +101,8 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                                       max_num_batched_tokens=a.max_num_batched_tokens),
             device=DeviceConfig(device=device, enforce_eager=a.enforce_eager,
                                 attention_backend=a.attention_backend,
+                                cuda_graph_max_batch=a.cuda_graph_max_batch,
+                                cuda_graph_max_prefill_tokens=prefill_graph_tokens,
                                 cpu_threads=_cpu_threads(device, getattr(a, "cpu_threads", None))),
         )
     except ConfigError:

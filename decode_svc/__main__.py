@@ -34,7 +34,7 @@ async def amain(args) -> int:
     from protos import decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
     # NOTE: prefix caching is off on decode: its blocks are written by transfers, not computed
-    cfg = engine_config_from_args(args, prefix_caching=False)
+    cfg = engine_config_from_args(args, prefix_caching=False, role="decode")
     runtime.setup_tracing("splitserve-decode")
     engine = AsyncEngine(cfg)
     holder = {}

@@ -87,9 +87,13 @@ class DeviceConfig:
     device: str = "auto"  # auto -> cuda if available else cpu
     enforce_eager: bool = False
     attention_backend: str = "auto"
-    # CUDA-graph buckets: decode batch sizes, prefill token counts (<= cuda_graph_max_prefill_tokens).
+    # CUDA-graph buckets: decode batch sizes up to cuda_graph_max_batch (None: max_num_seqs);
+    # prefill/mixed token counts up to min(cuda_graph_max_prefill_tokens, max_num_batched_tokens)
+    # (0: no prefill graphs; larger steps run eager), holding at most
+    # min(cuda_graph_max_prefill_seqs, max_num_seqs) sequences (more run eager).
     cuda_graph_max_batch: int | None = None
-    cuda_graph_max_prefill_tokens: int = 512
+    cuda_graph_max_prefill_tokens: int = 2048
+    cuda_graph_max_prefill_seqs: int = 64
     # CPU intra-op threads for this engine (None: torch's default). Several engine processes
     # on one small machine should split the cores: oversubscribed OpenMP threads spin and run
     # ~10x slower than one thread each.
@@ -105,6 +109,14 @@ class DeviceConfig:
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         _check(self.skinny_gemm_max_batch is None or 0 <= self.skinny_gemm_max_batch <= 64,
                f"skinny_gemm_max_batch must be in [0, 64], got {self.skinny_gemm_max_batch}")
+        _check(self.cuda_graph_max_batch is None or self.cuda_graph_max_batch >= 1,
+               f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        _check(isinstance(self.cuda_graph_max_prefill_tokens, int)
+               and self.cuda_graph_max_prefill_tokens >= 0,
+               "cuda_graph_max_prefill_tokens must be an integer >= 0 (0 disables prefill graphs),"
+               f" got {self.cuda_graph_max_prefill_tokens!r}")
+        _check(self.cuda_graph_max_prefill_seqs >= 1,
+               f"cuda_graph_max_prefill_seqs must be >= 1, got {self.cuda_graph_max_prefill_seqs}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

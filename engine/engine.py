@@ -277,7 +277,7 @@ class Engine:
             "block_size": self.cfg.cache.block_size, "num_blocks": self.kv.num_blocks,
             "kv_dtype": DTYPE_NAMES[self.runner.kv_dtype], "dtype": DTYPE_NAMES[self.dtype],
             "device": self.device, "attention_backend": self.attn_backend.name,
-            "cuda_graphs": self.runner.graphs.metrics() if self.runner.graphs else None,
+            "cuda_graphs": self.runner.graph_metrics() or None,
         }
 
     def stats(self) -> dict:
@@ -291,5 +291,5 @@ class Engine:
             "recent_step_ms": [round(t * 1e3, 3) for t in st[-16:]],
             "num_steps": self.num_steps, "num_generated_tokens": self.num_generated,
             **kvs,
-            **(self.runner.graphs.metrics() if self.runner.graphs else {}),
+            **self.runner.graph_metrics(),
         }

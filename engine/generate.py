@@ -21,11 +21,13 @@ def build_config(a: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens),
         device=DeviceConfig(device=a.device, enforce_eager=a.enforce_eager,
-                            attention_backend=a.attention_backend, cpu_threads=a.cpu_threads),
+                            attention_backend=a.attention_backend, cpu_threads=a.cpu_threads,
+                            cuda_graph_max_batch=a.cuda_graph_max_batch,
+                            cuda_graph_max_prefill_tokens=a.cuda_graph_max_prefill_tokens),
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__)
     p.add_argument("--model", default="default")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -44,9 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                   help="largest decode batch replayed through a CUDA graph")
+    p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=2048,
+                   help="largest prefill step (tokens) replayed through a CUDA graph; 0 disables")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     eng = Engine(build_config(a))

@@ -1,14 +1,25 @@
-"""CUDA-graph capture and replay of whole decode steps, by batch-size bucket.
+"""CUDA graphs, shared machinery: bucketed capture with warm-up and progress, counters, metrics.
 
-One graph per bucket (1, 2, 4, 8, then steps of 16 up to max_num_seqs), captured largest
-first into one shared memory pool. Each graph runs embedding -> all layers (KV write +
-paged attention) -> final norm -> lm_head for `bucket` rows whose inputs sit in static
-buffers. A batch is padded to the next bucket: padding rows write nowhere (slot -1) and
-attend to one token of block 0, and their logits are dropped.
+Two kinds of graph runners build on `BucketGraphs`, both owned by the ModelRunner:
 
-NOTE: graph replay needs a graph-safe attention backend (no host syncs, grids fixed by
-tensor shapes): the Triton and flash-attn backends are; the torch reference is not, so the
-runner never builds a CUDAGraphRunner for it.
+    engine/graphs_decode.py   DecodeGraphRunner: decode-only steps, by batch-size bucket
+    engine/graphs_prefill.py  PrefillGraphRunner: prefill and mixed steps, by token-count bucket
+
+Both capture into ONE memory pool per runner (`torch.cuda.graph_pool_handle()`), largest
+activations first (prefill buckets from the largest token count down, then decode buckets from
+the largest batch down), so every later capture reuses the blocks the earlier ones freed.
+
+NOTE (hazards of a shared pool):
+- graphs of one pool must never replay concurrently: every replay goes on the runner's one
+  stream, in order;
+- a graph's intermediates may alias another graph's; only tensors kept alive outside the
+  capture (decode logits per bucket, prefill's static logits buffer) survive a later replay,
+  and a replay overwrites them: callers consume a step's logits before the next step.
+
+Counting: a step that runs a graph is a replay of its kind; a step that could have used a graph
+and ran eager is a fallback of its kind, with a reason (see each runner's FALLBACK_REASONS);
+a bucket whose capture failed is counted once in `capture_failed` and its batches run eager
+(reason "no_graph").
 """
 from __future__ import annotations
 
@@ -17,131 +28,144 @@ import time
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
-
 log = logging.getLogger("splitserve.engine.graphs")
 
-
-def decode_buckets(max_batch: int) -> list[int]:
-    b = [x for x in (1, 2, 4, 8) if x <= max_batch]
-    x = 16
-    while x <= max_batch:
-        b.append(x)
-        x += 16
-    if b[-1] != max_batch:
-        b.append(max_batch)
-    return b
+# NOTE: these names are exported in Engine.stats() and read by common/metrics.py; keep them.
+LEGACY_TOTALS = ("cuda_graph_captured_count", "cuda_graph_replay_total",
+                 "cuda_graph_eager_fallback_total", "graph_replay_failed_total")
 
 
-class CUDAGraphRunner:
-    def __init__(self, model, kv_caches, kv_scales, max_batch: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device):
-        self.model = model
-        self.kv_caches = kv_caches
-        self.kv_scales = kv_scales
-        self.block_size = block_size
-        self.device = device
-        self.buckets = decode_buckets(max_batch)
-        self.max_blocks = max_blocks_per_seq
-        B = self.buckets[-1]
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=device)
-        self.positions = torch.zeros(B, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((B,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros((B, max_blocks_per_seq), **i32)
-        self.seq_lens = torch.ones(B, **i32)
-        self.query_start_loc = torch.arange(B + 1, **i32)
+def _mib(n: int) -> float:
+    return n / 2**20
+
+
+class BucketGraphs:
+    """One CUDA graph per bucket. Subclasses fill the static inputs and define `_forward(b)`,
+    the eager computation a graph of bucket b records (it reads and writes static buffers only).
+    """
+
+    kind = "base"
+    FALLBACK_REASONS: tuple[str, ...] = ()
+
+    def __init__(self, buckets: list[int], device: torch.device, pool=None):
+        if not buckets or buckets != sorted(set(buckets)):
+            raise ValueError(f"{self.kind} buckets must be non-empty, sorted, distinct: {buckets}")
+        self.buckets = buckets
+        self.device = torch.device(device)
+        self.pool = pool  # a graph_pool_handle shared with the other kind; None: own pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.outputs: dict[int, torch.Tensor | None] = {}
         self.replays = 0
-        self.fallbacks = 0
+        self.fallback_counts = {r: 0 for r in self.FALLBACK_REASONS}
         self.failed = 0
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
-            seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
-            max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
-            block_size=self.block_size, is_decode_only=True)
+    # ---- subclass hooks ---------------------------------------------------------------
+    def _forward(self, b: int) -> torch.Tensor | None:
+        raise NotImplementedError
 
-    def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches,
-                            self._meta(b), self.kv_scales)
-        return self.model.compute_logits(hidden)
+    def static_bytes(self) -> int:
+        """Bytes of static buffers allocated outside the pool (counted in graph memory)."""
+        return 0
 
+    # ---- counting ---------------------------------------------------------------------
+    @property
+    def fallbacks(self) -> int:
+        return sum(self.fallback_counts.values())
+
+    def _fallback(self, reason: str) -> None:
+        self.fallback_counts[reason] += 1
+
+    def bucket_for(self, n: int) -> int | None:
+        """Smallest bucket >= n, or None above the largest (captured or not)."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    # ---- capture ------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
+        """Warm up every bucket eagerly on a side stream, then capture them largest first."""
+        dev = self.device
         t0 = time.perf_counter()
-        free0 = torch.cuda.mem_get_info(self.device)[0]
-        # Warm up every bucket outside capture, on a side stream: Triton specializes kernels
-        # on argument values (e.g. divisibility by 16), and compiling inside a capture fails.
-        s = torch.cuda.Stream(self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        order = list(reversed(self.buckets))
+        # NOTE: Triton compiles (and specialises on argument values such as divisibility by 16)
+        # on a kernel's first call; compiling inside a capture fails. So every bucket runs once
+        # outside capture first, on a side stream like torch.cuda.graph's own warm-up advice.
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
-            for b in reversed(self.buckets):
+            for b in order:
                 self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        torch.cuda.synchronize(self.device)
-        for i, b in enumerate(reversed(self.buckets)):
+        torch.cuda.current_stream(dev).wait_stream(s)
+        torch.cuda.synchronize(dev)
+        log.info("%s graphs: warmed up %d buckets in %.1fs", self.kind, len(order),
+                 time.perf_counter() - t0)
+        every = max(1, len(order) // 4)
+        for i, b in enumerate(order):
             try:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
                     out = self._forward(b)
-                if self.pool is None:
-                    self.pool = g.pool()
                 self.graphs[b] = g
                 self.outputs[b] = out
-            except Exception as e:  # noqa: BLE001 - counted, that bucket runs eager
+            except Exception as e:  # noqa: BLE001 - counted; that bucket's batches run eager
                 self.failed += 1
-                log.warning("cuda graph capture failed for batch %d: %r", b, e)
-            if (i + 1) % 4 == 0 or i + 1 == len(self.buckets):
-                log.info("captured %d/%d decode graphs", i + 1, len(self.buckets))
-        torch.cuda.synchronize(self.device)
+                log.warning("%s graph capture failed for bucket %d: %r", self.kind, b, e)
+            if (i + 1) % every == 0 or i + 1 == len(order):
+                log.info("%s graphs: %d/%d buckets (down to %d) %.1fs, %.1f MiB", self.kind,
+                         i + 1, len(order), b, time.perf_counter() - t0,
+                         _mib(max(0, free0 - torch.cuda.mem_get_info(dev)[0])))
+        torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
-        self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
-        log.info("cuda graphs: %d buckets (max %d) in %.1fs, %.1f MiB", len(self.graphs),
-                 self.buckets[-1], self.capture_seconds, self.graph_memory_bytes / 2**20)
+        self.graph_memory_bytes = (max(0, free0 - torch.cuda.mem_get_info(dev)[0])
+                                   + self.static_bytes())
+        log.info("%s cuda graphs: %d/%d captured (buckets %d..%d) in %.1fs, %.1f MiB "
+                 "(incl. %.1f MiB static buffers)%s", self.kind, len(self.graphs),
+                 len(self.buckets), self.buckets[0], self.buckets[-1], self.capture_seconds,
+                 _mib(self.graph_memory_bytes), _mib(self.static_bytes()),
+                 f", {self.failed} FAILED (those run eager)" if self.failed else "")
 
-    def bucket_for(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b if b in self.graphs else None
-        return None
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-            ) -> torch.Tensor | None:
-        """Replay for a decode-only batch; returns logits [n, vocab] or None (caller runs eager)."""
-        n = input_ids.shape[0]
-        b = self.bucket_for(n)
-        nblk = meta.block_tables.shape[1]
-        if b is None or nblk > self.max_blocks:
-            self.fallbacks += 1
-            return None
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :nblk].copy_(meta.block_tables)
-        if nblk < self.max_blocks:
-            self.block_tables[:n, nblk:].zero_()
-        if n < b:
-            self.input_ids[n:b].zero_()
-            self.positions[n:b].zero_()
-            self.slot_mapping[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(1)
-            self.block_tables[n:b].zero_()
-        self.graphs[b].replay()
-        self.replays += 1
-        return self.outputs[b][:n]
-
+    # ---- metrics ------------------------------------------------------------------------
     def metrics(self) -> dict:
-        return {"cuda_graph_captured_count": len(self.graphs),
-                "cuda_graph_buckets": sorted(self.graphs),
-                "cuda_graph_replay_total": self.replays,
-                "cuda_graph_eager_fallback_total": self.fallbacks,
-                "graph_replay_failed_total": self.failed,
-                "cuda_graph_capture_seconds": round(self.capture_seconds, 3),
-                "cuda_graph_memory_bytes": self.graph_memory_bytes}
+        """This kind alone, in the same shape as graph_metrics() of several runners."""
+        return graph_metrics([self])
+
+
+def graph_metrics(runners) -> dict:
+    """Totals under the historical names plus per-kind counters:
+
+        cuda_graph_{kind}_captured_count, _replay_total, _eager_fallback_total,
+        _capture_failed_total, _capture_seconds, _memory_bytes, _buckets,
+        cuda_graph_{kind}_fallback_{reason}_total   (one per reason of that kind)
+
+    `cuda_graph_buckets` keeps meaning the captured decode batch sizes."""
+    rs = [r for r in runners if r is not None]
+    if not rs:
+        return {}
+    m: dict = {
+        "cuda_graph_captured_count": sum(len(r.graphs) for r in rs),
+        "cuda_graph_replay_total": sum(r.replays for r in rs),
+        "cuda_graph_eager_fallback_total": sum(r.fallbacks for r in rs),
+        "graph_replay_failed_total": sum(r.failed for r in rs),
+        "cuda_graph_capture_seconds": round(sum(r.capture_seconds for r in rs), 3),
+        "cuda_graph_memory_bytes": sum(r.graph_memory_bytes for r in rs),
+        "cuda_graph_buckets": next((sorted(r.graphs) for r in rs if r.kind == "decode"), []),
+    }
+    for r in rs:
+        k = f"cuda_graph_{r.kind}"
+        m[f"{k}_captured_count"] = len(r.graphs)
+        m[f"{k}_replay_total"] = r.replays
+        m[f"{k}_eager_fallback_total"] = r.fallbacks
+        m[f"{k}_capture_failed_total"] = r.failed
+        m[f"{k}_capture_seconds"] = round(r.capture_seconds, 3)
+        m[f"{k}_memory_bytes"] = r.graph_memory_bytes
+        m[f"{k}_buckets"] = sorted(r.graphs)
+        for reason, n in r.fallback_counts.items():
+            m[f"{k}_fallback_{reason}_total"] = n
+    return m

@@ -3,6 +3,13 @@ scheduled batch (prefill chunks and decodes mixed) and returns the sampled token
 
 It knows nothing about request lifecycles: the scheduler decides what runs, the runner turns
 that into flat tensors (input ids, positions, slot mapping, block tables) and calls the model.
+
+CUDA graphs (cuda device, a graph-safe attention backend, not enforce_eager): one step runs
+  - a decode-only batch (every row 1 token and sampled) -> decode graph of its batch bucket
+    (engine/graphs_decode.py), else eager (counted as a decode fallback);
+  - any other batch -> prefill graph of its token bucket (engine/graphs_prefill.py), else
+    eager (counted as a prefill fallback, by reason).
+Both kinds share one memory pool; see engine/graphs.py.
 """
 from __future__ import annotations
 
@@ -46,6 +53,11 @@ class StepInput:
     sample: bool
 
 
+def prefill_graph_max_tokens(cfg: EngineConfig) -> int:
+    """Largest prefill graph bucket: a step never holds more than max_num_batched_tokens."""
+    return min(cfg.device.cuda_graph_max_prefill_tokens, cfg.scheduler.max_num_batched_tokens)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model, arch, device: str, dtype: torch.dtype):
         self.cfg = cfg
@@ -60,7 +72,8 @@ class ModelRunner:
         self.kv_scales: KVScales | None = None
         self.num_blocks = 0
         self.step_times: list[float] = []
-        self.graphs = None  # engine.graphs.CUDAGraphRunner once captured
+        self.graphs = None  # DecodeGraphRunner once captured
+        self.prefill_graphs = None  # PrefillGraphRunner once captured
         model.skinny_max_m = self._skinny_max_m()
 
     def _skinny_max_m(self) -> int:
@@ -120,16 +133,35 @@ class ModelRunner:
         if backend_name == "torch":
             log.info("cuda graphs off: the torch attention backend is not graph-safe")
             return
-        from engine.graphs import CUDAGraphRunner
+        from engine.graphs_decode import DecodeGraphRunner
+        from engine.graphs_prefill import PrefillGraphRunner
 
-        max_batch = min(d.cuda_graph_max_batch or self.cfg.scheduler.max_num_seqs,
-                        self.cfg.scheduler.max_num_seqs)
+        sched = self.cfg.scheduler
+        max_batch = min(d.cuda_graph_max_batch or sched.max_num_seqs, sched.max_num_seqs)
         max_blocks = -(-max_model_len // self.block_size)
         if self.kv_scales is not None:
             self._calibrate_fp8()
-        self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.kv_scales, max_batch,
-                                      max_blocks, self.block_size, self.device)
+        # a re-capture (e.g. after changing the model's matmul path) frees the old graphs first
+        self.graphs = self.prefill_graphs = None
+        # NOTE: one pool for both kinds, largest activations first: prefill buckets (up to
+        # thousands of tokens) before decode buckets (up to max_num_seqs rows).
+        pool = torch.cuda.graph_pool_handle()
+        max_tokens = prefill_graph_max_tokens(self.cfg)
+        if max_tokens > 0:
+            self.prefill_graphs = PrefillGraphRunner(
+                self.model, self.kv_caches, self.kv_scales, max_tokens,
+                min(d.cuda_graph_max_prefill_seqs, sched.max_num_seqs), max_blocks,
+                self.block_size, self.arch.vocab_size, self.device, pool=pool)
+            self.prefill_graphs.capture()
+        self.graphs = DecodeGraphRunner(self.model, self.kv_caches, self.kv_scales, max_batch,
+                                        max_blocks, self.block_size, self.device, pool=pool)
         self.graphs.capture()
+
+    def graph_metrics(self) -> dict:
+        """Graph counters of both kinds (totals + per kind); {} when graphs are off."""
+        from engine.graphs import graph_metrics
+
+        return graph_metrics([self.prefill_graphs, self.graphs])
 
     @torch.inference_mode()
     def _calibrate_fp8(self) -> None:
@@ -183,22 +215,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, rows: list[StepInput], sampling: SamplingBatch | None):
-        """Run one forward; return (SamplerOutput or None, logits of sampled rows)."""
+        """Run one forward; return (SamplerOutput or None, logits of sampled rows or None)."""
         t0 = time.perf_counter()
-        input_ids, positions, meta, logits_idx = self.build_metadata(rows)
-        out = None
-        logits = None
-        if self.graphs is not None and meta.is_decode_only and len(logits_idx) == len(rows):
-            logits = self.graphs.run(input_ids, positions, meta)
-            if logits is not None:
-                out = self.sampler(logits, sampling)
-                return self._done(t0, out, logits)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
-        if logits_idx:
-            idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            out = self.sampler(logits, sampling)
+        logits, prepared = self._replay(rows)
+        if logits is None:
+            input_ids, positions, meta, logits_idx = prepared or self.build_metadata(rows)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
+            if logits_idx:
+                idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, idx))
+        elif logits.shape[0] == 0:
+            logits = None  # a replayed step in which no row samples
+        out = self.sampler(logits, sampling) if logits is not None else None
         return self._done(t0, out, logits)
+
+    def _replay(self, rows: list[StepInput]):
+        """-> (logits of the sampled rows from a graph replay, or None: run eager;
+        the eager inputs when they were built on the way, else None)."""
+        if self.graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in rows):
+            prepared = self.build_metadata(rows)
+            return self.graphs.run(*prepared[:3]), prepared
+        if self.prefill_graphs is not None:
+            return self.prefill_graphs.run(rows), None
+        return None, None
 
     def _done(self, t0: float, out, logits):
         # the sampler's host copy of token ids already synchronized with the device

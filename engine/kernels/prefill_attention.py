@@ -8,6 +8,12 @@ Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): program (b, kvh) finds it
 a binary search over query_start_loc (q-block b belongs to sequence i when
 qsl[i] // BLOCK_Q + i <= b < qsl[i+1] // BLOCK_Q + i + 1), so the grid depends only on tensor
 shapes and no host sync is needed (CUDA-graph safe). Surplus programs exit at once.
+Padding as prefill CUDA graphs use it (engine/graphs_prefill.py): token rows past
+query_start_loc[-1] belong to no sequence and are never written; trailing sequences whose
+query_start_loc entries repeat the token count own no rows (their programs exit before reading
+seq_lens or the block table, whatever those hold); block-table entries past
+ceil(seq_len / BS) are never read (the unmasked loop stops below the tile's first query
+position, the masked one masks keys >= seq_len).
 A program's tile is BLOCK_Q query tokens x all G query heads of one KV head (rows = token*G_PAD
 + head), so each K/V tile is read once per GQA group. Online softmax, fp32 accumulators.
 Keys strictly before the tile's first query position need no mask (first loop); the diagonal

@@ -33,6 +33,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     # [num_seqs + 1] int32: prefix sum of query lengths
     query_start_loc: torch.Tensor
+    # NOTE: exact in eager steps; under a CUDA graph they are frozen at capture as upper bounds
+    # (the bucket's token count, max_model_len in whole blocks) and the host copies below are
+    # None: a graph-safe backend uses them as bounds only (Triton ignores them)
     max_query_len: int
     max_seq_len: int
     block_size: int

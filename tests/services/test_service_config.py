@@ -50,3 +50,27 @@ def test_bad_flag_exits_2_with_message():
     r = subprocess.run([sys.executable, "-m", "decode_svc", "--block-size", "7", "--model",
                         "dummy:tiny-llama"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "block_size must be 16 or 32" in r.stderr
+
+
+def test_cuda_graph_flags(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CUDA_GRAPH_MAX_PREFILL_TOKENS", "256")
+    d = engine_config_from_args(prefill_args([])).device
+    assert d.cuda_graph_max_prefill_tokens == 256 and d.cuda_graph_max_batch is None
+    d = engine_config_from_args(decode_args(["--cuda-graph-max-prefill-tokens", "0",
+                                             "--cuda-graph-max-batch", "16"])).device
+    assert d.cuda_graph_max_prefill_tokens == 0 and d.cuda_graph_max_batch == 16
+    with pytest.raises(ConfigError, match="cuda_graph_max_prefill_tokens"):
+        engine_config_from_args(prefill_args(["--cuda-graph-max-prefill-tokens", "-5"]))
+    monkeypatch.delenv("SPLITSERVE_CUDA_GRAPH_MAX_PREFILL_TOKENS")
+    assert engine_config_from_args(prefill_args([])).device.cuda_graph_max_prefill_tokens == 2048
+    # decode prefills only to recompute preempted requests: no prefill graphs unless asked for
+    cfg = engine_config_from_args(decode_args([]), prefix_caching=False, role="decode")
+    assert cfg.device.cuda_graph_max_prefill_tokens == 0
+    cfg = engine_config_from_args(decode_args(["--cuda-graph-max-prefill-tokens", "512"]),
+                                  role="decode")
+    assert cfg.device.cuda_graph_max_prefill_tokens == 512
+    from engine.generate import build_config, parse_args as generate_args
+
+    d = build_config(generate_args(["--prompt", "x", "--cuda-graph-max-prefill-tokens", "128",
+                                    "--cuda-graph-max-batch", "4"])).device
+    assert d.cuda_graph_max_prefill_tokens == 128 and d.cuda_graph_max_batch == 4

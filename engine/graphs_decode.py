@@ -1,0 +1,107 @@
+"""CUDA-graph capture and replay of whole decode steps, by batch-size bucket.
+
+One graph per bucket (1, 2, 4, 8, then steps of 16 up to max_num_seqs), captured largest
+first into the runner's shared memory pool (engine/graphs.py). Each graph runs embedding ->
+all layers (KV write + paged attention) -> final norm -> lm_head for `bucket` rows whose inputs
+sit in static buffers. A batch is padded to the next bucket: padding rows write nowhere
+(slot -1) and attend to one token of block 0, and their logits are dropped.
+
+NOTE: graph replay needs a graph-safe attention backend (no host syncs, grids fixed by
+tensor shapes): the Triton and flash-attn backends are; the torch reference is not, so the
+runner never builds graph runners for it.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.graphs import BucketGraphs
+from engine.layers.attention import AttentionMetadata
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    b = [x for x in (1, 2, 4, 8) if x <= max_batch]
+    x = 16
+    while x <= max_batch:
+        b.append(x)
+        x += 16
+    if b[-1] != max_batch:
+        b.append(max_batch)
+    return b
+
+
+class DecodeGraphRunner(BucketGraphs):
+    kind = "decode"
+    # batch: more rows than the largest bucket; blocks: a block table wider than the static
+    # one; no_graph: that bucket's capture failed
+    FALLBACK_REASONS = ("batch", "blocks", "no_graph")
+
+    def __init__(self, model, kv_caches, kv_scales, max_batch: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device, pool=None):
+        super().__init__(decode_buckets(max_batch), device, pool)
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv_scales = kv_scales
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        B = self.buckets[-1]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.slot_mapping = torch.full((B,), -1, dtype=torch.long, device=self.device)
+        self.block_tables = torch.zeros((B, max_blocks_per_seq), **i32)
+        self.seq_lens = torch.ones(B, **i32)
+        self.query_start_loc = torch.arange(B + 1, **i32)
+
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (
+            self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens,
+            self.query_start_loc))
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
+            seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
+            max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
+            block_size=self.block_size, is_decode_only=True)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches,
+                            self._meta(b), self.kv_scales)
+        return self.model.compute_logits(hidden)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+            ) -> torch.Tensor | None:
+        """Replay for a decode-only batch; returns logits [n, vocab] or None (caller runs eager;
+        counted). The logits are a view of the bucket's output: valid until the next replay."""
+        n = input_ids.shape[0]
+        b = self.bucket_for(n)
+        nblk = meta.block_tables.shape[1]
+        if b is None:
+            self._fallback("batch")
+            return None
+        if nblk > self.max_blocks:
+            self._fallback("blocks")
+            return None
+        if b not in self.graphs:
+            self._fallback("no_graph")
+            return None
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.block_tables[:n, :nblk].copy_(meta.block_tables)
+        if nblk < self.max_blocks:
+            self.block_tables[:n, nblk:].zero_()
+        if n < b:
+            self.input_ids[n:b].zero_()
+            self.positions[n:b].zero_()
+            self.slot_mapping[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(1)
+            self.block_tables[n:b].zero_()
+        self.graphs[b].replay()
+        self.replays += 1
+        return self.outputs[b][:n]
+
+
+# the name the runner, tests and benchmarks have always used
+CUDAGraphRunner = DecodeGraphRunner
