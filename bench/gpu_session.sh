@@ -7,6 +7,10 @@ OUT=${OUT:-bench/results}
 export PYTHONUNBUFFERED=1 SPLITSERVE_BENCH_DIR=$OUT
 export SPLITSERVE_COMMIT=${SPLITSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 steps=${*:-tests engine sweep}
+if [ -d .whl ]; then  # service deps the GPU image lacks, carried as wheels (see the device notes)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for s in $steps; do
@@ -23,7 +27,7 @@ for s in $steps; do
     sweep)
       timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
     services)
-      SPLITSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
+      SPLITSERVE_TEST_DEVICE=cuda:0 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/services ${SERVICE_TEST_ARGS:-} 2>&1 | tee "$OUT/services.log" | tail -25 ;;
     *) echo "unknown step $s" ;;
   esac

@@ -4,7 +4,8 @@ One graph per bucket (1, 2, 4, 8, then steps of 16 up to max_num_seqs), captured
 first into the runner's shared memory pool (engine/graphs.py). Each graph runs embedding ->
 all layers (KV write + paged attention) -> final norm -> lm_head for `bucket` rows whose inputs
 sit in static buffers. A batch is padded to the next bucket: padding rows write nowhere
-(slot -1) and attend to one token of block 0, and their logits are dropped.
+(slot -1) and attend to nothing (seq_len 0; `run` with device tensors: one token of block 0),
+and their logits are dropped.
 
 NOTE: graph replay needs a graph-safe attention backend (no host syncs, grids fixed by
 tensor shapes): the Triton and flash-attn backends are; the torch reference is not, so the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.graphs import BucketGraphs
+from engine.graphs_prefill import PrefillStaging
 from engine.layers.attention import AttentionMetadata
 
 
@@ -44,18 +46,17 @@ class DecodeGraphRunner(BucketGraphs):
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         B = self.buckets[-1]
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.slot_mapping = torch.full((B,), -1, dtype=torch.long, device=self.device)
-        self.block_tables = torch.zeros((B, max_blocks_per_seq), **i32)
-        self.seq_lens = torch.ones(B, **i32)
-        self.query_start_loc = torch.arange(B + 1, **i32)
+        # NOTE: the static inputs live in one packed device buffer with a pinned host mirror
+        # (the prefill graphs' layout): a step from runner rows costs host numpy + ONE upload
+        # instead of per-tensor H2D copies, copies into static buffers and padding fills.
+        self.staging = PrefillStaging(B, B, max_blocks_per_seq, self.device)
+        d = self.staging.d
+        self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
+        self.block_tables, self.seq_lens, self.query_start_loc = d.block_tables, d.seq_lens, d.query_start_loc
+        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (
-            self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens,
-            self.query_start_loc))
+        return self.staging.nbytes
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -68,6 +69,32 @@ class DecodeGraphRunner(BucketGraphs):
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches,
                             self._meta(b), self.kv_scales)
         return self.model.compute_logits(hidden)
+
+    def run_rows(self, rows) -> torch.Tensor | None:
+        """Replay for decode rows (runner StepInputs: one token each, all sampled) staged
+        straight from the host; returns logits [n, vocab] or None (caller runs eager; counted).
+        The logits are a view of the bucket's output: valid until the next replay."""
+        n = len(rows)
+        b = self.bucket_for(n)
+        if b is None:
+            self._fallback("batch")
+            return None
+        longest = max(r.start + len(r.token_ids) for r in rows)
+        if -(-longest // self.block_size) > self.max_blocks:
+            self._fallback("blocks")
+            return None
+        if b not in self.graphs:
+            self._fallback("no_graph")
+            return None
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous upload has read the host mirror
+        self.staging.stage(rows, self.block_size, b, b)  # padding: slot -1, seq_len 0
+        self.staging.upload(b)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        self.graphs[b].replay()
+        self.replays += 1
+        return self.outputs[b][:n]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
             ) -> torch.Tensor | None:
@@ -89,6 +116,8 @@ class DecodeGraphRunner(BucketGraphs):
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
+        self.query_start_loc[:n + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[n + 1:b + 1].fill_(n)
         self.block_tables[:n, :nblk].copy_(meta.block_tables)
         if nblk < self.max_blocks:
             self.block_tables[:n, nblk:].zero_()

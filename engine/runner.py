@@ -233,8 +233,7 @@ class ModelRunner:
         """-> (logits of the sampled rows from a graph replay, or None: run eager;
         the eager inputs when they were built on the way, else None)."""
         if self.graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in rows):
-            prepared = self.build_metadata(rows)
-            return self.graphs.run(*prepared[:3]), prepared
+            return self.graphs.run_rows(rows), None
         if self.prefill_graphs is not None:
             return self.prefill_graphs.run(rows), None
         return None, None

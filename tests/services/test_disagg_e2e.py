@@ -283,3 +283,28 @@ async def test_reserve_retry_replaces_unclaimed_reservation(client):
     want = _colocated([PROMPTS[1][:20]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert toks == want
     await _wait_idle(client)
+
+
+@pytest.mark.skipif(procs.DEVICE == "cpu", reason="CUDA graphs exist only on a GPU (SPLITSERVE_TEST_DEVICE=cuda)")
+async def test_gpu_decode_serves_through_captured_graphs(client, services):
+    """On a GPU the decode service captures its batch buckets at start and serves decode steps
+    by replaying them: its /metrics show captured graphs and decode replays growing."""
+    _, dec = services
+
+    def scrape() -> dict[str, float]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{dec.metrics_port}/metrics", timeout=5).read()
+        out = {}
+        for line in body.decode().splitlines():
+            if line.startswith("splitserve_cuda_graph"):
+                k, _, v = line.rpartition(" ")
+                out[k] = float(v)
+        return out
+
+    before = scrape()
+    assert before.get("splitserve_cuda_graphs_captured", 0) > 0, before
+    toks, _ = await client.generate("graphs", PROMPTS[1], GREEDY)
+    assert toks == _colocated([PROMPTS[1]], GREEDY)[0]
+    after = scrape()
+    key = 'splitserve_cuda_graph_replays_by_kind_total{kind="decode"}'
+    assert after.get(key, 0) >= before.get(key, 0) + GREEDY.max_tokens - 1, (before, after)
+    print({k: v for k, v in after.items() if "captured" in k or "replays" in k})
