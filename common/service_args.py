@@ -55,6 +55,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "by max-num-batched-tokens; larger steps run eager; 0 disables (default "
                         f"{DEFAULT_PREFILL_GRAPH_TOKENS}; 0 on decode, which prefills only to "
                         "recompute preempted requests)")
+    g.add_argument("--skinny-gemm-max-batch", type=int,
+                   default=env_int("SPLITSERVE_SKINNY_GEMM_MAX_BATCH"),
+                   help="decode batches up to this size use the fused skinny-GEMM Triton kernels "
+                        "(CUDA); larger ones cuBLAS; 0 disables (default: the tuned table of "
+                        "the GPU, engine/kernels/configs)")
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--cpu-threads", type=int, default=env_int("SPLITSERVE_CPU_THREADS"),
                    help="CPU intra-op threads for this engine (default on CPU: half the cores, "
@@ -103,6 +108,7 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                                 attention_backend=a.attention_backend,
                                 cuda_graph_max_batch=a.cuda_graph_max_batch,
                                 cuda_graph_max_prefill_tokens=prefill_graph_tokens,
+                                skinny_gemm_max_batch=getattr(a, "skinny_gemm_max_batch", None),
                                 cpu_threads=_cpu_threads(device, getattr(a, "cpu_threads", None))),
         )
     except ConfigError:

@@ -23,7 +23,8 @@ def build_config(a: argparse.Namespace) -> EngineConfig:
         device=DeviceConfig(device=a.device, enforce_eager=a.enforce_eager,
                             attention_backend=a.attention_backend, cpu_threads=a.cpu_threads,
                             cuda_graph_max_batch=a.cuda_graph_max_batch,
-                            cuda_graph_max_prefill_tokens=a.cuda_graph_max_prefill_tokens),
+                            cuda_graph_max_prefill_tokens=a.cuda_graph_max_prefill_tokens,
+                            skinny_gemm_max_batch=a.skinny_gemm_max_batch),
     )
 
 
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest decode batch replayed through a CUDA graph")
     p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=2048,
                    help="largest prefill step (tokens) replayed through a CUDA graph; 0 disables")
+    p.add_argument("--skinny-gemm-max-batch", type=int, default=None,
+                   help="decode batches up to this size use the fused skinny-GEMM kernels "
+                        "(default: the GPU's tuned table; 0 disables)")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)

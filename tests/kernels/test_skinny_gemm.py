@@ -94,3 +94,45 @@ def test_default_config_sane():
             c = default_config(m, n, k, torch.device("cpu"))
             assert c.block_m(m) >= m and c.block_n >= (16 if c.use_dot else 1)
             assert k % c.block_k == 0
+
+
+def test_tuned_table_lookup(tmp_path, monkeypatch):
+    import json
+
+    from engine.kernels import skinny_configs as sc
+
+    monkeypatch.setattr(sc, "CONFIG_DIR", str(tmp_path))
+    sc.load_table.cache_clear()
+    doc = {"device": "Fake GPU", "max_m": 2, "entries": [
+        {"n": 64, "k": 32, "silu": False, "m": 1, "cfg": [4, 32, 8, 1, False]},
+        {"n": 64, "k": 32, "silu": False, "m": 8, "cfg": [16, 32, 4, 3, True]}]}
+    (tmp_path / "skinny_gemm-Fake_GPU.json").write_text(json.dumps(doc))
+    try:
+        assert sc.lookup("Fake GPU", 1, 64, 32, False) == (4, 32, 8, 1, False)
+        assert sc.lookup("Fake GPU", 3, 64, 32, False) == (16, 32, 4, 3, True)  # next tuned m up
+        assert sc.lookup("Fake GPU", 40, 64, 32, False) == (16, 32, 4, 3, True)  # past the largest
+        assert sc.lookup("Fake GPU", 1, 64, 32, True) is None  # untuned shape: heuristic
+        assert sc.lookup("Other GPU", 1, 64, 32, False) is None
+        assert sc.tuned_max_m("Fake GPU") == 2
+        (tmp_path / "skinny_gemm-Bad.json").write_text("{not json")
+        assert sc.lookup("Bad", 1, 64, 32, False) is None  # unreadable table: ignored, logged
+    finally:
+        sc.load_table.cache_clear()
+
+
+def test_shipped_tables_are_valid():
+    import glob
+    import json
+    import os
+
+    from engine.kernels.skinny_configs import CONFIG_DIR
+
+    paths = glob.glob(os.path.join(CONFIG_DIR, "skinny_gemm-*.json"))
+    assert paths, "the H200 table is shipped"
+    for p in paths:
+        doc = json.load(open(p))
+        assert isinstance(doc["max_m"], int) and 0 <= doc["max_m"] <= 64
+        for e in doc["entries"]:
+            c = SkinnyConfig(*e["cfg"])
+            assert c.block_n & (c.block_n - 1) == 0 and c.block_k & (c.block_k - 1) == 0
+            assert e["k"] % c.block_k == 0 and c.num_warps in (1, 2, 4, 8)

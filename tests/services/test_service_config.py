@@ -74,3 +74,20 @@ def test_cuda_graph_flags(monkeypatch):
     d = build_config(generate_args(["--prompt", "x", "--cuda-graph-max-prefill-tokens", "128",
                                     "--cuda-graph-max-batch", "4"])).device
     assert d.cuda_graph_max_prefill_tokens == 128 and d.cuda_graph_max_batch == 4
+
+
+def test_skinny_gemm_flag(monkeypatch):
+    from common.service_args import add_engine_args, engine_config_from_args
+    import argparse
+
+    def parse(argv):
+        p = argparse.ArgumentParser()
+        add_engine_args(p)
+        return p.parse_args(argv)
+
+    assert engine_config_from_args(parse([])).device.skinny_gemm_max_batch is None
+    assert engine_config_from_args(parse(["--skinny-gemm-max-batch", "0"])).device.skinny_gemm_max_batch == 0
+    monkeypatch.setenv("SPLITSERVE_SKINNY_GEMM_MAX_BATCH", "4")
+    assert engine_config_from_args(parse([])).device.skinny_gemm_max_batch == 4
+    with pytest.raises(ConfigError, match="skinny_gemm_max_batch"):
+        engine_config_from_args(parse(["--skinny-gemm-max-batch", "65"]))
