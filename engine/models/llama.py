@@ -123,8 +123,11 @@ class CausalLM(torch.nn.Module):
         idx = torch.arange(input_ids.shape[0], device=input_ids.device) if input_ids.is_cuda else None
         rope = (cos, sin, idx)
         residual = None
+        hook = getattr(self, "layer_hook", None)  # optional: hook(i) after layer i (KV streaming)
         for i, layer in enumerate(self.layers):
             h, residual = layer(rope, h, residual, kv_caches[i], meta, kv_scales)
+            if hook is not None:
+                hook(i)
         h, _ = self.norm(h, residual)
         return h
 
