@@ -1,0 +1,244 @@
+"""PairGroup: one torch.distributed process group of two ranks (prefill = rank 0, decode =
+rank 1) and the one thread that runs its point-to-point ops.
+
+The group is built directly from a store (a `PrefixStore` on decode's TCPStore, keyed by the
+pair id agreed at handshake), not through `init_process_group`: a process has one default
+group, but a prefill may pair with many decodes and a decode with many prefills. Ops are the
+group's own `send` / `recv` (what `dist.isend` / `dist.irecv` wrap).
+
+    g = PairGroup.create("10.0.0.2:29600", pair_id, rank=0, backend="gloo", device="cpu")
+    fut = g.submit_send(tensor_u8, timeout_s=30)     # concurrent.futures.Future[int]
+    fut = g.submit_recv(nbytes, timeout_s=30)        # -> Future[uint8 tensor]
+    g.close()
+
+Hazards:
+- NOTE: gloo and NCCL match point-to-point ops between two ranks in issue order (NCCL has no
+  tags at all), so concurrent transfers on one pair must never interleave their ops
+  differently on the two sides. Every op goes through one FIFO thread per side, and the
+  control stream gives both sides the same order (see kvtransfer.proto, PairSession).
+- NOTE: a gloo `wait()` without a timeout and an NCCL recv whose peer died block forever, and
+  `abort()` does not wake a blocked gloo wait. Every wait here has a finite timeout (gloo:
+  `wait(timeout)`; NCCL: polling `is_completed()`), and the async side watches each op with
+  its own deadline on top. The first failed op breaks the group for good: queued ops fail,
+  the communicator is aborted, `on_broken` fires once, and the owner builds a new group under
+  a new pair id. (gloo closes the pair on a timed-out wait anyway.)
+- NOTE: NCCL with the default TORCH_NCCL_ASYNC_ERROR_HANDLING tears the whole process down
+  when its own watchdog sees a timed-out op; a server must survive a dead peer, so NCCL
+  groups here use CleanUpOnly (2) unless the variable is set, and our timeout fires first.
+- NOTE: NCCL ops run on this thread's own CUDA stream after waiting for the layer's event, so
+  a send never waits for work queued on the engine's stream after that layer (later layers).
+  Received CUDA buffers come from that stream: their consumer must `record_stream` the stream
+  it reads them on before dropping them (kvtransfer.pair_service does).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvtransfer.state import TransferError
+
+log = logging.getLogger("splitserve.kvtransfer.dist")
+
+_STOP = object()
+
+
+@dataclass
+class _Op:
+    kind: str                      # "send" | "recv"
+    tensor: torch.Tensor | None    # send: flat uint8 payload
+    nbytes: int
+    timeout_s: float
+    ready: object | None           # send: torch.cuda.Event the payload waits for (CUDA only)
+    fut: concurrent.futures.Future
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad address {address!r} (want host:port)")
+    return host.strip("[]"), int(port)
+
+
+class PairGroup:
+    def __init__(self, pg, rank: int, backend: str, device: str, name: str,
+                 on_broken: Callable[[str], None] | None = None):
+        self.pg = pg
+        self.rank = rank
+        self.peer = 1 - rank
+        self.backend = backend     # "gloo" | "nccl"
+        self.device = torch.device(device)
+        self.name = name
+        self.on_broken = on_broken
+        self.broken: str | None = None
+        self.ops_done = 0
+        self._lock = threading.Lock()
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"kv-pair-{name[:8]}", daemon=True)
+        self._thread.start()
+
+    # ---- setup ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, store_address: str, pair_id: str, rank: int, backend: str, device: str,
+               host: str = "", timeout_s: float = 30.0,
+               on_broken: Callable[[str], None] | None = None) -> "PairGroup":
+        """Blocking (run it off the event loop): connects to the store, then waits until the
+        peer rank joins or `timeout_s` passes (raises TransferError)."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise TransferError("torch.distributed is not available in this torch build")
+        shost, sport = split_host_port(store_address)
+        td = datetime.timedelta(seconds=timeout_s)
+        t0 = time.monotonic()
+        try:
+            store = dist.TCPStore(shost, sport, None, False, td)
+            pstore = dist.PrefixStore(f"splitserve/pair/{pair_id}/", store)
+            if backend == "gloo":
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = td
+                # NOTE: gloo listens on this address and publishes it through the store; it
+                # must be one the peer can reach (the service's bind host, not a wildcard).
+                dev = (dist.ProcessGroupGloo.create_device(hostname=host) if host
+                       else dist.ProcessGroupGloo.create_default_device())
+                opts._devices = [dev]
+                pg = dist.ProcessGroupGloo(pstore, rank, 2, opts)
+            elif backend == "nccl":
+                if not dist.is_nccl_available():
+                    raise TransferError("this torch build has no NCCL")
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # see NOTE above
+                torch.cuda.set_device(torch.device(device))
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = td * 2  # ours (per op) fires first and aborts cleanly
+                pg = dist.ProcessGroupNCCL(pstore, rank, 2, opts)
+            else:
+                raise TransferError(f"unknown pair backend {backend!r}")
+        except TransferError:
+            raise
+        except Exception as e:  # noqa: BLE001 - store unreachable, peer never came, ...
+            raise TransferError(f"pair group setup ({backend}, rank {rank}, store {store_address}) "
+                                f"failed after {time.monotonic() - t0:.1f}s: {e}") from e
+        log.info("kv pair %s: %s group up as rank %d on %s (%.2fs)", pair_id[:8], backend, rank,
+                 device, time.monotonic() - t0)
+        return cls(pg, rank, backend, device, pair_id, on_broken)
+
+    # ---- ops ------------------------------------------------------------------------
+    def submit_send(self, payload: torch.Tensor, timeout_s: float, ready=None) -> concurrent.futures.Future:
+        """payload: flat uint8 on this group's device, not mutated until the future is done."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError("payload must be a flat uint8 tensor (send other dtypes as bytes)")
+        return self._submit(_Op("send", payload, payload.numel(), timeout_s, ready,
+                                concurrent.futures.Future()))
+
+    def submit_recv(self, nbytes: int, timeout_s: float) -> concurrent.futures.Future:
+        return self._submit(_Op("recv", None, nbytes, timeout_s, None, concurrent.futures.Future()))
+
+    def _submit(self, op: _Op) -> concurrent.futures.Future:
+        with self._lock:  # NOTE: checking `broken` and queueing is one step (see _break)
+            if self.broken is not None:
+                op.fut.set_exception(TransferError(f"kv pair is broken: {self.broken}"))
+            else:
+                self._q.put(op)
+        return op.fut
+
+    def close(self, reason: str = "closed", orderly: bool = True) -> None:
+        """Tear the group down and stop the thread; queued ops fail. orderly=False: the pair
+        failed (communicator aborted, on_broken fires if it has not yet)."""
+        self._break(reason, orderly=orderly)
+        self._q.put(_STOP)
+
+    def join(self, timeout_s: float = 10.0) -> bool:
+        """Wait for the thread to end after close(); -> True if it did. NOTE: destroy the
+        rendezvous TCPStore only after its groups are gone: a store server destroyed while a
+        group that used it is being torn down aborts the process (std::terminate)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # ---- the thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        stream = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NOTE: per thread; the engine's call does not count
+            stream = torch.cuda.Stream(self.device)
+        while True:
+            op = self._q.get()
+            if op is _STOP:
+                self.pg = None  # NOTE: the group is destroyed here, not at interpreter exit
+                return
+            if self.broken is not None:
+                op.fut.set_exception(TransferError(f"kv pair is broken: {self.broken}"))
+                continue
+            try:
+                res = self._do(op, stream)
+            except Exception as e:  # noqa: BLE001 - timeout, dead peer, ...
+                reason = f"{op.kind} of {op.nbytes} B failed: {e}"
+                self._break(reason)
+                op.fut.set_exception(TransferError(reason))
+                continue
+            self.ops_done += 1
+            op.fut.set_result(res)
+
+    def _do(self, op: _Op, stream):
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            if op.ready is not None and stream is not None:
+                stream.wait_event(op.ready)
+            if op.kind == "send":
+                work = self.pg.send([op.tensor], self.peer, 0)
+                self._wait(work, op.timeout_s)
+                return op.nbytes
+            buf = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
+            work = self.pg.recv([buf], self.peer, 0)
+            self._wait(work, op.timeout_s)
+            return buf
+
+    def _wait(self, work, timeout_s: float) -> None:
+        if self.backend == "gloo":
+            # gloo honours the timeout itself (and closes the pair when it expires)
+            work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))
+            return
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not work.is_completed():  # NCCL: queries the op's CUDA event, never blocks
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NCCL op not done after {timeout_s:.1f}s (peer dead or stuck?)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        work.wait()  # raises if the op failed; returns at once when completed
+
+    def _break(self, reason: str, orderly: bool = False) -> None:
+        with self._lock:
+            if self.broken is not None:
+                return
+            self.broken = reason
+            pending = []
+            while True:
+                try:
+                    pending.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+        for op in pending:
+            if op is not _STOP:
+                op.fut.set_exception(TransferError(f"kv pair is broken: {reason}"))
+        if not orderly:
+            log.warning("kv pair %s broken: %s", self.name[:8], reason)
+        try:
+            # NOTE: abort, also when orderly: it frees the communicator and a later op fails at
+            # once. (gloo's shutdown() here made the process abort at exit now and then.)
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 - best effort on a dead group
+            log.debug("abort of pair %s failed", self.name[:8], exc_info=True)
+        if self.on_broken is not None and not orderly:
+            try:
+                self.on_broken(reason)
+            except Exception:  # noqa: BLE001
+                log.exception("on_broken callback failed")
