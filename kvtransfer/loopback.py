@@ -54,28 +54,37 @@ class MemorySink:
 
 
 class ReceiverProc:
-    def __init__(self, proc, conn, address: str, endpoint: PairEndpoint):
+    def __init__(self, proc, conn):
         self.proc, self.conn = proc, conn
-        self.address = address
-        self.endpoint = endpoint
+        self.address = ""
+        self.endpoint = PairEndpoint()
 
     @classmethod
     def spawn(cls, layout: KVLayout, num_blocks: int = 64, device: str = "cpu",
               host: str = "127.0.0.1", timeout_s: float = 30.0, reservation_timeout_s: float = 30.0,
-              ready_timeout_s: float = 60.0) -> "ReceiverProc":
+              wait: bool = True) -> "ReceiverProc":
+        """Start the child; wait=False returns at once (call wait_ready() later), so several
+        can boot in parallel."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_child_main, args=(child, asdict(layout), num_blocks, device, host,
                                                   timeout_s, reservation_timeout_s), daemon=True)
         p.start()
-        if not parent.poll(ready_timeout_s):
-            p.kill()
-            raise TimeoutError(f"receiver process not ready in {ready_timeout_s}s")
-        kind, address, ep = parent.recv()
+        rp = cls(p, parent)
+        return rp.wait_ready() if wait else rp
+
+    def wait_ready(self, timeout_s: float = 60.0) -> "ReceiverProc":
+        if self.address:
+            return self
+        if not self.conn.poll(timeout_s):
+            self.proc.kill()
+            raise TimeoutError(f"receiver process not ready in {timeout_s}s")
+        kind, address, ep = self.conn.recv()
         if kind != "ready":
-            p.join(5)
+            self.proc.join(5)
             raise RuntimeError(f"receiver process failed: {address}")
-        return cls(p, parent, address, PairEndpoint(**ep))
+        self.address, self.endpoint = address, PairEndpoint(**ep)
+        return self
 
     def _call(self, *cmd, timeout_s: float = 30.0):
         self.conn.send(cmd)

@@ -180,10 +180,18 @@ class NixlPairClient(PairClient):
         self._q.put_nowait((tx, layer_idx, tensor, k_scale, v_scale, fut))
         return fut
 
+    def commit(self, tx: PairSendTransfer) -> None:
+        self._q.put_nowait((tx, None))  # NOTE: behind the layers still being staged
+
     async def _stage_loop(self) -> None:
-        """Stage layers one at a time, in call order, so headers keep their seq order."""
+        """Stage layers one at a time, in call order, so headers keep their seq order and the
+        commit follows the last header."""
         while True:
-            tx, li, tensor, ks, vs, fut = await self._q.get()
+            item = await self._q.get()
+            if item[1] is None:
+                super().commit(item[0])
+                continue
+            tx, li, tensor, ks, vs, fut = item
             if fut.done():
                 continue
             try:

@@ -50,3 +50,18 @@ def test_bad_flag_exits_2_with_message():
     r = subprocess.run([sys.executable, "-m", "decode_svc", "--block-size", "7", "--model",
                         "dummy:tiny-llama"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "block_size must be 16 or 32" in r.stderr
+
+
+def test_kv_transfer_backend_flag_and_env(monkeypatch):
+    from common.service_args import kv_backend_from_args
+
+    assert kv_backend_from_args(prefill_args([])) == "grpc"  # default
+    monkeypatch.setenv("SPLITSERVE_KV_TRANSFER_BACKEND", "dist")
+    assert kv_backend_from_args(prefill_args([])) == "dist"
+    assert kv_backend_from_args(decode_args([])) == "dist"
+    assert kv_backend_from_args(decode_args(["--kv-transfer-backend", "grpc"])) == "grpc"  # flag wins
+    monkeypatch.setenv("SPLITSERVE_KV_TRANSFER_BACKEND", "rdma")
+    with pytest.raises(ConfigError, match="SPLITSERVE_KV_TRANSFER_BACKEND"):
+        kv_backend_from_args(prefill_args([]))
+    with pytest.raises(ConfigError, match="kv-pair-timeout"):
+        kv_backend_from_args(prefill_args(["--kv-transfer-backend", "dist", "--kv-pair-timeout-s", "0"]))
