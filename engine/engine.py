@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES, KVBlocks
+from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES, KVBlocks, raw_view
 from engine.kv_cache import KVCacheManager
 from engine.layer_stream import LayerExport, LayerStreamer
 from engine.layers.attention import get_attention_backend
@@ -279,8 +279,8 @@ class Engine:
             raise ValueError(f"{blocks.num_blocks} blocks sent, {len(ids)} reserved")
         idx = torch.tensor(ids[:blocks.num_blocks], dtype=torch.long, device=self.device)
         for i, t in enumerate(blocks.layers):
-            dst = self.runner.kv_caches[first_layer + i].view(torch.uint8)
-            dst.index_copy_(1, idx, t.to(self.device).view(torch.uint8))
+            dst = raw_view(self.runner.kv_caches[first_layer + i])
+            dst.index_copy_(1, idx, raw_view(t.to(self.device)))
         sc = self.runner.kv_scales
         if sc is not None and blocks.k_scales is not None:
             sc.k.copy_(torch.tensor(blocks.k_scales))

@@ -32,6 +32,7 @@ Hazards:
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import datetime
@@ -55,7 +56,7 @@ _STOP = object()
 @dataclass
 class _Op:
     kind: str                      # "send" | "recv"
-    tensor: torch.Tensor | None    # send: flat uint8 payload
+    tensor: torch.Tensor | None    # send: flat uint8 payload; recv: buffer to fill (or None)
     nbytes: int
     timeout_s: float
     ready: object | None           # send: torch.cuda.Event the payload waits for (CUDA only)
@@ -70,6 +71,8 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 
 class PairGroup:
+    WINDOW = 4  # ops in flight on the thread
+
     def __init__(self, pg, rank: int, backend: str, device: str, name: str,
                  on_broken: Callable[[str], None] | None = None):
         self.pg = pg
@@ -139,8 +142,13 @@ class PairGroup:
         return self._submit(_Op("send", payload, payload.numel(), timeout_s, ready,
                                 concurrent.futures.Future()))
 
-    def submit_recv(self, nbytes: int, timeout_s: float) -> concurrent.futures.Future:
-        return self._submit(_Op("recv", None, nbytes, timeout_s, None, concurrent.futures.Future()))
+    def submit_recv(self, nbytes: int, timeout_s: float, out: torch.Tensor | None = None
+                    ) -> concurrent.futures.Future:
+        """-> Future[flat uint8 tensor of nbytes]: `out[:nbytes]` when a buffer is given (it
+        must not be read or reused until the future is done), else a new one."""
+        if out is not None and (out.dtype != torch.uint8 or out.numel() < nbytes or out.device != self.device):
+            raise ValueError("recv buffer must be uint8, on the group's device, >= nbytes")
+        return self._submit(_Op("recv", out, nbytes, timeout_s, None, concurrent.futures.Future()))
 
     def _submit(self, op: _Op) -> concurrent.futures.Future:
         with self._lock:  # NOTE: checking `broken` and queueing is one step (see _break)
@@ -165,41 +173,59 @@ class PairGroup:
 
     # ---- the thread -----------------------------------------------------------------
     def _run(self) -> None:
+        """Issue ops in queue order, up to WINDOW in flight (the bytes of layer i+1 move while
+        layer i's completion is noticed), and complete them in the same order."""
         stream = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NOTE: per thread; the engine's call does not count
             stream = torch.cuda.Stream(self.device)
+        inflight: collections.deque = collections.deque()
         while True:
+            if inflight and (len(inflight) >= self.WINDOW or self._q.empty()):
+                self._complete(inflight)
+                continue
             op = self._q.get()
             if op is _STOP:
+                while inflight:
+                    self._complete(inflight)
                 self.pg = None  # NOTE: the group is destroyed here, not at interpreter exit
                 return
             if self.broken is not None:
                 op.fut.set_exception(TransferError(f"kv pair is broken: {self.broken}"))
                 continue
             try:
-                res = self._do(op, stream)
-            except Exception as e:  # noqa: BLE001 - timeout, dead peer, ...
-                reason = f"{op.kind} of {op.nbytes} B failed: {e}"
-                self._break(reason)
-                op.fut.set_exception(TransferError(reason))
-                continue
-            self.ops_done += 1
-            op.fut.set_result(res)
+                inflight.append((op, *self._issue(op, stream)))
+            except Exception as e:  # noqa: BLE001 - the group is unusable
+                self._fail_all(op, inflight, f"{op.kind} of {op.nbytes} B failed: {e}")
 
-    def _do(self, op: _Op, stream):
+    def _issue(self, op: _Op, stream):
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             if op.ready is not None and stream is not None:
                 stream.wait_event(op.ready)
             if op.kind == "send":
-                work = self.pg.send([op.tensor], self.peer, 0)
-                self._wait(work, op.timeout_s)
-                return op.nbytes
-            buf = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
-            work = self.pg.recv([buf], self.peer, 0)
+                return self.pg.send([op.tensor], self.peer, 0), op.nbytes
+            if op.tensor is not None:
+                buf = op.tensor.reshape(-1)[:op.nbytes]
+            else:
+                buf = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
+            return self.pg.recv([buf], self.peer, 0), buf
+
+    def _complete(self, inflight: collections.deque) -> None:
+        op, work, res = inflight.popleft()
+        try:
             self._wait(work, op.timeout_s)
-            return buf
+        except Exception as e:  # noqa: BLE001 - timeout, dead peer, ...
+            self._fail_all(op, inflight, f"{op.kind} of {op.nbytes} B failed: {e}")
+            return
+        self.ops_done += 1
+        op.fut.set_result(res)
+
+    def _fail_all(self, op: _Op, inflight: collections.deque, reason: str) -> None:
+        self._break(reason)
+        op.fut.set_exception(TransferError(reason))
+        while inflight:
+            inflight.popleft()[0].fut.set_exception(TransferError(f"kv pair is broken: {reason}"))
 
     def _wait(self, work, timeout_s: float) -> None:
         if self.backend == "gloo":

@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 import torch
 
+from engine.kv_blocks import raw_view
 from kvtransfer.endpoint import PairEndpoint
 from kvtransfer.state import KVLayout
 
@@ -38,8 +39,7 @@ class MemorySink:
         await asyncio.sleep(0)  # like AsyncEngine.call: a real suspension point
         dst = self.cache[layer_idx]
         ids = torch.tensor(self.block_ids[request_id][:tensor.shape[1]], device=dst.device)
-        # NOTE: index_copy_ has no fp8 kernel on CPU; copy the raw bytes
-        dst.view(torch.uint8).index_copy_(1, ids, tensor.to(dst.device).view(torch.uint8))
+        raw_view(dst).index_copy_(1, ids, raw_view(tensor.to(dst.device)))  # as engine.import_kv
 
     async def write_scales(self, request_id, k_scales, v_scales):
         self.scales[request_id] = (list(k_scales), list(v_scales))

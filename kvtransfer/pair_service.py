@@ -55,6 +55,9 @@ class RecvPlane(abc.ABC):
         tensor, or None when they already landed in the request's reserved blocks. Raises
         (through the future) TransferError when the data path is broken."""
 
+    def recycle(self, data: torch.Tensor) -> None:  # noqa: B027 - optional
+        """A tensor `post` returned is no longer used (its bytes were written or dropped)."""
+
     def close(self, reason: str, orderly: bool) -> None:  # noqa: B027 - optional
         pass
 
@@ -183,6 +186,13 @@ class _Session:
         except Exception as e:  # noqa: BLE001 - the data path failed: the pair is gone
             self.break_(f"receiving layer {h.layer_index} of {h.transfer_id} failed: {e}")
             return
+        await self._write(tx, h, data, accepted)
+        if data is not None:
+            # NOTE: only once the sink's copy is done; a cancelled write may still be reading
+            # the buffer on the engine thread, so that buffer is never reused
+            self.plane.recycle(data)
+
+    async def _write(self, tx: _Tx | None, h, data, accepted: bool) -> None:
         if not accepted or tx is None or tx.failed:
             return  # drained
         tid = tx.transfer_id
@@ -200,7 +210,7 @@ class _Session:
                 t = data.view(NAME_DTYPES[h.dtype]).reshape(tuple(h.shape))
                 await self.rx.on_layer(tid, h.layer_index, t, ks, vs)
             tx.nbytes += int(h.nbytes)
-        except (TransferError, ValueError, KeyError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - bad data or the sink refused: this transfer fails
             if not isinstance(e, TransferError):
                 log.exception("kv transfer %s: writing layer %d failed", tid, h.layer_index)
             self.fail_tx(tx, str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}")

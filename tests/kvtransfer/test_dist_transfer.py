@@ -32,7 +32,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def receivers():
     """One receiver process per layout, booted in parallel."""
-    procs = {k: ReceiverProc.spawn(lay, num_blocks=32, wait=False) for k, lay in LAYOUTS.items()}
+    procs = {k: ReceiverProc.spawn(lay, num_blocks=640 if k == "fp32-1" else 32, wait=False)
+             for k, lay in LAYOUTS.items()}
     try:
         yield {k: p.wait_ready() for k, p in procs.items()}
     finally:
@@ -98,6 +99,26 @@ async def test_concurrent_transfers_on_one_pair_do_not_mix(receivers, sender):
     _assert_landed(rp, "rb", b)
     rp.claim("ta")
     rp.claim("tb")
+
+
+async def test_big_layers_of_mixed_sizes_reuse_receive_buffers(receivers, sender):
+    """Layers of 1-4 MiB, interleaved: the receiver's buffer pool must hand each recv its own
+    buffer of the right size and never reuse one still being written."""
+    rp, layout = receivers["fp32-1"], LAYOUTS["fp32-1"]
+    sizes = {"m1": 200, "m2": 300, "m3": 130}  # blocks of 8 KiB (the receiver holds 640)
+    kvs, txs, start = {}, {}, 0
+    for i, (rid, n) in enumerate(sizes.items()):
+        kvs[rid] = _blocks(layout, n, seed=10 + i)
+        rp.expect(f"t-{rid}", rid, list(range(start, start + n))[::-1], kvs[rid].num_tokens)
+        start += n
+        txs[rid] = await sender.open(rp.address, f"t-{rid}", rid, layout, kvs[rid].num_tokens, 30,
+                                     peer=rp.endpoint)
+    for rid in ("m2", "m1", "m3"):
+        txs[rid].send_layer(0, kvs[rid].layers[0])
+    await asyncio.gather(*(tx.finish() for tx in txs.values()))
+    for rid, kv in kvs.items():
+        _assert_landed(rp, rid, kv)
+        rp.claim(f"t-{rid}")
 
 
 async def test_refused_transfers_are_drained_and_the_pair_survives(receivers, sender):
@@ -184,3 +205,16 @@ async def test_unreachable_store_is_pair_unavailable(receivers):
         assert "failed" in s.unusable(rp.address)
     finally:
         await s.close()
+
+
+def test_receive_buffer_pool_reuses_the_smallest_fit():
+    from kvtransfer.dist_backend import DistPlane
+
+    plane = DistPlane(None, PairEndpoint("cpu"))
+    a, b, c = plane._buffer(3 << 20), plane._buffer(1 << 20), plane._buffer(2 << 20)
+    for t in (a, b, c):
+        plane.recycle(t[:10])  # what recv hands out is a view of the pooled buffer
+    assert plane._buffer(1_500_000) is c
+    assert plane._buffer(10) is b
+    assert plane._buffer(10) is a
+    assert plane._buffer(5 << 20).numel() == 5 << 20  # nothing left: a new one
