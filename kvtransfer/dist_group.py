@@ -71,7 +71,8 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 
 class PairGroup:
-    WINDOW = 4  # ops in flight on the thread
+    WINDOW = 4      # ops in flight on the thread
+    GRACE_S = 5.0   # watchdog: how far past its own timeout a blocking call may hang
 
     def __init__(self, pg, rank: int, backend: str, device: str, name: str,
                  on_broken: Callable[[str], None] | None = None):
@@ -86,8 +87,12 @@ class PairGroup:
         self.ops_done = 0
         self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue()
+        self._inflight: collections.deque = collections.deque()  # (op, work, result), issue order
+        self._busy: tuple | None = None  # (since, timeout, what, op) of the blocking call now
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-pair-{name[:8]}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name=f"kv-pair-watch-{name[:8]}", daemon=True).start()
 
     # ---- setup ----------------------------------------------------------------------
     @classmethod
@@ -175,28 +180,36 @@ class PairGroup:
     def _run(self) -> None:
         """Issue ops in queue order, up to WINDOW in flight (the bytes of layer i+1 move while
         layer i's completion is noticed), and complete them in the same order."""
-        stream = None
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # NOTE: per thread; the engine's call does not count
-            stream = torch.cuda.Stream(self.device)
-        inflight: collections.deque = collections.deque()
-        while True:
-            if inflight and (len(inflight) >= self.WINDOW or self._q.empty()):
-                self._complete(inflight)
-                continue
-            op = self._q.get()
-            if op is _STOP:
-                while inflight:
-                    self._complete(inflight)
-                self.pg = None  # NOTE: the group is destroyed here, not at interpreter exit
-                return
-            if self.broken is not None:
-                op.fut.set_exception(TransferError(f"kv pair is broken: {self.broken}"))
-                continue
-            try:
-                inflight.append((op, *self._issue(op, stream)))
-            except Exception as e:  # noqa: BLE001 - the group is unusable
-                self._fail_all(op, inflight, f"{op.kind} of {op.nbytes} B failed: {e}")
+        try:
+            stream = None
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NOTE: per thread; the engine's does not count
+                stream = torch.cuda.Stream(self.device)
+            while True:
+                if self._inflight and (len(self._inflight) >= self.WINDOW or self._q.empty()):
+                    self._complete()
+                    continue
+                op = self._q.get()
+                if op is _STOP:
+                    while self._inflight:
+                        self._complete()
+                    return
+                if self.broken is not None:
+                    _settle(op.fut, exc=TransferError(f"kv pair is broken: {self.broken}"))
+                    continue
+                try:
+                    self._busy = (time.monotonic(), op.timeout_s, f"issuing a {op.kind}", op)
+                    work, res = self._issue(op, stream)
+                except Exception as e:  # noqa: BLE001 - the group is unusable
+                    self._fail_all(op, f"{op.kind} of {op.nbytes} B failed: {e}")
+                    continue
+                finally:
+                    self._busy = None
+                with self._lock:
+                    self._inflight.append((op, work, res))
+        finally:
+            self.pg = None  # NOTE: the group is destroyed here, not at interpreter exit
+            self._done.set()
 
     def _issue(self, op: _Op, stream):
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -211,21 +224,40 @@ class PairGroup:
                 buf = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
             return self.pg.recv([buf], self.peer, 0), buf
 
-    def _complete(self, inflight: collections.deque) -> None:
-        op, work, res = inflight.popleft()
+    def _complete(self) -> None:
+        with self._lock:
+            if not self._inflight:
+                return  # the watchdog failed them meanwhile
+            op, work, res = self._inflight.popleft()
         try:
+            self._busy = (time.monotonic(), op.timeout_s, f"waiting for a {op.kind} of {op.nbytes} B", op)
             self._wait(work, op.timeout_s)
         except Exception as e:  # noqa: BLE001 - timeout, dead peer, ...
-            self._fail_all(op, inflight, f"{op.kind} of {op.nbytes} B failed: {e}")
+            self._fail_all(op, f"{op.kind} of {op.nbytes} B failed: {e}")
             return
+        finally:
+            self._busy = None
         self.ops_done += 1
-        op.fut.set_result(res)
+        _settle(op.fut, res)
 
-    def _fail_all(self, op: _Op, inflight: collections.deque, reason: str) -> None:
+    def _fail_all(self, op: _Op, reason: str) -> None:
         self._break(reason)
-        op.fut.set_exception(TransferError(reason))
-        while inflight:
-            inflight.popleft()[0].fut.set_exception(TransferError(f"kv pair is broken: {reason}"))
+        _settle(op.fut, exc=TransferError(reason))
+        with self._lock:
+            stuck = list(self._inflight)
+            self._inflight.clear()
+        for o, _w, _r in stuck:
+            _settle(o.fut, exc=TransferError(f"kv pair is broken: {reason}"))
+
+    def _watch(self) -> None:
+        """NOTE: the watchdog for calls that ignore their timeout (a hung NCCL init, a driver
+        stall): fails every pending op and breaks the group from outside; the stuck thread is
+        abandoned (daemon) and finds its futures already settled if it ever returns."""
+        while not self._done.wait(0.5):
+            b = self._busy
+            if b is not None and time.monotonic() > b[0] + b[1] + self.GRACE_S:
+                self._fail_all(b[3], f"watchdog: {b[2]} stuck for {time.monotonic() - b[0]:.1f}s")
+                return
 
     def _wait(self, work, timeout_s: float) -> None:
         if self.backend == "gloo":
@@ -253,14 +285,18 @@ class PairGroup:
                 except queue.Empty:
                     break
         for op in pending:
-            if op is not _STOP:
-                op.fut.set_exception(TransferError(f"kv pair is broken: {reason}"))
+            if op is _STOP:
+                self._q.put(_STOP)  # NOTE: a queued close still ends the thread
+            else:
+                _settle(op.fut, exc=TransferError(f"kv pair is broken: {reason}"))
         if not orderly:
             log.warning("kv pair %s broken: %s", self.name[:8], reason)
+        pg = self.pg
         try:
             # NOTE: abort, also when orderly: it frees the communicator and a later op fails at
             # once. (gloo's shutdown() here made the process abort at exit now and then.)
-            self.pg.abort()
+            if pg is not None:
+                pg.abort()
         except Exception:  # noqa: BLE001 - best effort on a dead group
             log.debug("abort of pair %s failed", self.name[:8], exc_info=True)
         if self.on_broken is not None and not orderly:
@@ -268,3 +304,14 @@ class PairGroup:
                 self.on_broken(reason)
             except Exception:  # noqa: BLE001
                 log.exception("on_broken callback failed")
+
+
+def _settle(fut: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
+    """Set a future once; a second outcome (the watchdog got there first) is dropped."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass

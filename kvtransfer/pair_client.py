@@ -400,6 +400,9 @@ class PairKVSender(KVSender):
         if not address:
             raise TransferError("no decode address in the transfer ticket")
         pair = self._pairs.get(address)
+        if pair is not None and peer is not None and pair.peer != peer:
+            pair.fail("decode's pair endpoint changed (restarted?)")  # drops it from _pairs
+            pair = None
         if pair is None:
             why = self.unusable(address)
             if why is not None:
