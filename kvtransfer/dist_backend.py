@@ -31,7 +31,8 @@ import torch
 
 from kvtransfer.dist_group import PairGroup
 from kvtransfer.endpoint import PairEndpoint, pair_transport, same_gpu
-from kvtransfer.pair_client import PairClient, PairKVSender
+from kvtransfer.pair_client import PairClient
+from kvtransfer.pair_sender import PairKVSender
 from kvtransfer.pair_service import RecvPlane
 from kvtransfer.state import TransferError
 from protos import kvtransfer_pb2

@@ -89,6 +89,7 @@ class PairGroup:
         self._q: queue.Queue = queue.Queue()
         self._inflight: collections.deque = collections.deque()  # (op, work, result), issue order
         self._busy: tuple | None = None  # (since, timeout, what, op) of the blocking call now
+        self._stream = None  # CUDA: this thread's stream (see NOTE on streams)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-pair-{name[:8]}", daemon=True)
         self._thread.start()
@@ -181,10 +182,9 @@ class PairGroup:
         """Issue ops in queue order, up to WINDOW in flight (the bytes of layer i+1 move while
         layer i's completion is noticed), and complete them in the same order."""
         try:
-            stream = None
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # NOTE: per thread; the engine's does not count
-                stream = torch.cuda.Stream(self.device)
+                self._stream = torch.cuda.Stream(self.device)
             while True:
                 if self._inflight and (len(self._inflight) >= self.WINDOW or self._q.empty()):
                     self._complete()
@@ -199,7 +199,7 @@ class PairGroup:
                     continue
                 try:
                     self._busy = (time.monotonic(), op.timeout_s, f"issuing a {op.kind}", op)
-                    work, res = self._issue(op, stream)
+                    work, res = self._issue(op)
                 except Exception as e:  # noqa: BLE001 - the group is unusable
                     self._fail_all(op, f"{op.kind} of {op.nbytes} B failed: {e}")
                     continue
@@ -211,11 +211,13 @@ class PairGroup:
             self.pg = None  # NOTE: the group is destroyed here, not at interpreter exit
             self._done.set()
 
-    def _issue(self, op: _Op, stream):
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            if op.ready is not None and stream is not None:
-                stream.wait_event(op.ready)
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _issue(self, op: _Op):
+        with self._on_stream():
+            if op.ready is not None and self._stream is not None:
+                self._stream.wait_event(op.ready)
             if op.kind == "send":
                 return self.pg.send([op.tensor], self.peer, 0), op.nbytes
             if op.tensor is not None:
@@ -231,7 +233,8 @@ class PairGroup:
             op, work, res = self._inflight.popleft()
         try:
             self._busy = (time.monotonic(), op.timeout_s, f"waiting for a {op.kind} of {op.nbytes} B", op)
-            self._wait(work, op.timeout_s)
+            with self._on_stream():  # NCCL's wait() orders the *current* stream after the op
+                self._wait(work, op.timeout_s)
         except Exception as e:  # noqa: BLE001 - timeout, dead peer, ...
             self._fail_all(op, f"{op.kind} of {op.nbytes} B failed: {e}")
             return

@@ -39,7 +39,8 @@ from typing import Awaitable, Callable, Sequence
 import torch
 
 from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
-from kvtransfer.pair_client import PairClient, PairKVSender, PairSendTransfer
+from kvtransfer.pair_client import PairClient, PairSendTransfer
+from kvtransfer.pair_sender import PairKVSender
 from kvtransfer.pair_service import RecvPlane
 from kvtransfer.state import KVLayout, TransferError
 from protos import kvtransfer_pb2
