@@ -2,7 +2,8 @@
 
 Lifecycle of one request:
   reserved   Reserve: engine.reserve pre-allocates blocks, KVReceiver.expect(transfer id)
-  receiving  KVTransfer.PushKV streams land layer by layer in those blocks
+  receiving  KV lands layer by layer in those blocks: KVTransfer.PushKV (grpc backend) or the
+             pair's KVTransfer.PairSession (dist / nixl; tickets say which backends we accept)
   running    Decode: waits for the transfer DONE, claims it, engine.add_prefilled joins the batch
   finished   stop / length / stop string / abort; blocks freed by the engine
 A reservation whose KV or Decode call never comes is failed by the receiver's reaper at its
