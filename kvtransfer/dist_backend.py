@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import threading
 
 import torch
 
@@ -130,6 +131,7 @@ class DistPlane(RecvPlane):
         self.timeout_s = default_timeout_s
         self.group: PairGroup | None = None
         self._pool: list[torch.Tensor] = []
+        self._pool_lock = threading.Lock()  # taken on the group thread, returned on the loop
 
     async def accept(self, hello) -> kvtransfer_pb2.PairAccept:
         want = pair_transport(self.local.device)
@@ -150,24 +152,26 @@ class DistPlane(RecvPlane):
 
     def post(self, header, request_id: str | None) -> asyncio.Future:
         n = int(header.nbytes)
-        return asyncio.wrap_future(self.group.submit_recv(n, self.timeout_s, self._buffer(n)))
-
-    def _buffer(self, n: int) -> torch.Tensor | None:
         # NOTE: CPU only. A fresh host buffer per layer pays a page fault per 4 KiB on first
         # touch (on a VM that capped gloo at ~0.35 GB/s); CUDA has its caching allocator.
-        if self.local.device_type != "cpu":
-            return None
-        fits = [i for i, b in enumerate(self._pool) if b.numel() >= n]
-        if fits:  # NOTE: by index: list.remove would compare tensors elementwise
-            return self._pool.pop(min(fits, key=lambda i: self._pool[i].numel()))
+        alloc = self._buffer if self.local.device_type == "cpu" else None
+        return asyncio.wrap_future(self.group.submit_recv(n, self.timeout_s, alloc))
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        """A pooled buffer of >= n bytes (called on the group thread as the recv is issued)."""
+        with self._pool_lock:
+            fits = [i for i, b in enumerate(self._pool) if b.numel() >= n]
+            if fits:  # NOTE: by index: list.remove would compare tensors elementwise
+                return self._pool.pop(min(fits, key=lambda i: self._pool[i].numel()))
         return torch.empty(-(-n // (1 << 20)) << 20, dtype=torch.uint8)  # 1 MiB steps
 
     def recycle(self, data: torch.Tensor) -> None:
         base = data._base if data._base is not None else data
         if base.device.type == "cpu" and base.dim() == 1 and base.dtype == torch.uint8:
-            self._pool.append(base)
-            if len(self._pool) > self.POOL:
-                self._pool.pop(min(range(len(self._pool)), key=lambda i: self._pool[i].numel()))
+            with self._pool_lock:
+                self._pool.append(base)
+                if len(self._pool) > self.POOL:
+                    self._pool.pop(min(range(len(self._pool)), key=lambda i: self._pool[i].numel()))
 
     def close(self, reason: str, orderly: bool) -> None:
         if self.group is not None:

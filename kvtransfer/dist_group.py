@@ -56,7 +56,7 @@ _STOP = object()
 @dataclass
 class _Op:
     kind: str                      # "send" | "recv"
-    tensor: torch.Tensor | None    # send: flat uint8 payload; recv: buffer to fill (or None)
+    tensor: object                 # send: flat uint8 payload; recv: buffer, allocator or None
     nbytes: int
     timeout_s: float
     ready: object | None           # send: torch.cuda.Event the payload waits for (CUDA only)
@@ -148,12 +148,15 @@ class PairGroup:
         return self._submit(_Op("send", payload, payload.numel(), timeout_s, ready,
                                 concurrent.futures.Future()))
 
-    def submit_recv(self, nbytes: int, timeout_s: float, out: torch.Tensor | None = None
+    def submit_recv(self, nbytes: int, timeout_s: float,
+                    out: torch.Tensor | Callable[[int], torch.Tensor] | None = None
                     ) -> concurrent.futures.Future:
-        """-> Future[flat uint8 tensor of nbytes]: `out[:nbytes]` when a buffer is given (it
-        must not be read or reused until the future is done), else a new one."""
-        if out is not None and (out.dtype != torch.uint8 or out.numel() < nbytes or out.device != self.device):
-            raise ValueError("recv buffer must be uint8, on the group's device, >= nbytes")
+        """-> Future[flat uint8 tensor of nbytes]: a view of `out` when a buffer is given (not
+        to be read or reused until the future is done), else a new one. `out` may be a
+        callable(nbytes) -> buffer, called on this group's thread when the recv is issued:
+        NOTE: buffers are then only held for the ops in flight, not for every announced layer."""
+        if isinstance(out, torch.Tensor):
+            _check_buffer(out, nbytes, self.device)
         return self._submit(_Op("recv", out, nbytes, timeout_s, None, concurrent.futures.Future()))
 
     def _submit(self, op: _Op) -> concurrent.futures.Future:
@@ -220,8 +223,10 @@ class PairGroup:
                 self._stream.wait_event(op.ready)
             if op.kind == "send":
                 return self.pg.send([op.tensor], self.peer, 0), op.nbytes
-            if op.tensor is not None:
-                buf = op.tensor.reshape(-1)[:op.nbytes]
+            out = op.tensor(op.nbytes) if callable(op.tensor) else op.tensor
+            if out is not None:
+                _check_buffer(out, op.nbytes, self.device)
+                buf = out.reshape(-1)[:op.nbytes]
             else:
                 buf = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
             return self.pg.recv([buf], self.peer, 0), buf
@@ -318,3 +323,8 @@ def _settle(fut: concurrent.futures.Future, result=None, exc: BaseException | No
             fut.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def _check_buffer(out: torch.Tensor, nbytes: int, device: torch.device) -> None:
+    if out.dtype != torch.uint8 or out.numel() < nbytes or out.device != device:
+        raise ValueError("recv buffer must be uint8, on the group's device, >= nbytes")

@@ -92,3 +92,19 @@ def test_watchdog_fails_a_call_that_ignores_its_timeout(monkeypatch):
         f1.result(10)
     assert time.monotonic() - t0 < 3
     assert broken and "watchdog" in broken[0] and pg.aborted == 1
+
+
+def test_recv_allocator_runs_on_the_group_thread_when_issued():
+    pg, calls = FakePG(), []
+
+    def alloc(n):
+        calls.append((n, threading.current_thread().name))
+        return torch.empty(n + 3, dtype=torch.uint8)
+
+    g = _group(pg)
+    futs = [g.submit_recv(5 + i, 5, out=alloc) for i in range(3)]
+    assert [f.result(5).numel() for f in futs] == [5, 6, 7]
+    assert [n for n, _ in calls] == [5, 6, 7]
+    assert all(name.startswith("kv-pair-") for _, name in calls)
+    g.close()
+    assert g.join(5)
