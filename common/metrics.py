@@ -75,6 +75,12 @@ class ServiceMetrics:
                                              buckets=_FAST, registry=r)
         self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures",
                                             "KV transfers that failed", ["direction"], registry=r)
+        self.kv_transfers = Counter("splitserve_kv_transfers", "KV transfers sent, by backend",
+                                    ["backend"], registry=r)  # backend: grpc|dist|nixl
+        self.kv_transfer_fallbacks = Counter(
+            "splitserve_kv_transfer_fallbacks",
+            "KV transfers sent over grpc because the pair could not use the selected backend",
+            ["reason"], registry=r)  # not_accepted|no_endpoint|device_mismatch|same_gpu|pair_unavailable
         # --- admission (gateway)
         self.admission = Counter("splitserve_admission_decisions", "Admission controller decisions",
                                  ["decision"], registry=r)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
-from common.envs import env_bool, env_int, env_str
+from common.envs import env_bool, env_float, env_int, env_str
 from engine.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, ModelConfig,
                            SchedulerConfig)
 
@@ -64,6 +65,43 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, default=env_int("SPLITSERVE_CPU_THREADS"),
                    help="CPU intra-op threads for this engine (default on CPU: half the cores, "
                         "since prefill and decode usually share the host)")
+
+
+KV_TRANSFER_BACKENDS = ("grpc", "dist", "nixl")  # kvtransfer/endpoint.py describes them
+
+
+def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("kv transfer")
+    g.add_argument("--kv-transfer-backend", default=env_str("SPLITSERVE_KV_TRANSFER_BACKEND", "grpc"),
+                   help="grpc (default; any host, KV staged through host memory) | dist "
+                        "(torch.distributed point-to-point per prefill/decode pair: NCCL between "
+                        "GPUs, gloo between CPU caches) | nixl (needs the nixl package). Decode "
+                        "always accepts grpc too; prefill falls back to grpc when a pair cannot "
+                        "use the selected backend")
+    g.add_argument("--kv-pair-timeout-s", type=float,
+                   default=env_float("SPLITSERVE_KV_PAIR_TIMEOUT_S", 30.0),
+                   help="dist / nixl: pair setup timeout and per-layer transfer timeout")
+
+
+def kv_backend_from_args(a: argparse.Namespace) -> str:
+    """-> the validated --kv-transfer-backend; ConfigError names the problem (exit 2)."""
+    b = a.kv_transfer_backend
+    if b not in KV_TRANSFER_BACKENDS:
+        raise ConfigError(f"--kv-transfer-backend / SPLITSERVE_KV_TRANSFER_BACKEND={b!r}: "
+                          f"use one of {', '.join(KV_TRANSFER_BACKENDS)}")
+    if b == "nixl":
+        from kvtransfer.nixl_backend import NOT_INSTALLED, nixl_available
+
+        if not nixl_available():
+            raise ConfigError(NOT_INSTALLED)
+    if a.kv_pair_timeout_s <= 0:
+        raise ConfigError(f"--kv-pair-timeout-s must be > 0, got {a.kv_pair_timeout_s}")
+    return b
+
+
+def pair_host(host: str) -> str:
+    """An address peers can reach this process on (a wildcard bind is not one)."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
 
 
 def _device(device: str) -> str:

@@ -4,15 +4,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.envs import env_float, env_str
+from common.envs import env_float, env_int, env_str
 from common.grpc_util import service_main
-from common.service_args import add_engine_args, add_server_args, engine_config_from_args
+from common.service_args import (add_engine_args, add_kv_transfer_args, add_server_args,
+                                 engine_config_from_args, kv_backend_from_args, pair_host)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m decode_svc", description=__doc__)
     add_server_args(p, default_port=50071)
     add_engine_args(p)
+    add_kv_transfer_args(p)
+    p.add_argument("--kv-store-port", type=int, default=env_int("SPLITSERVE_KV_STORE_PORT", 0),
+                   help="dist: port of the TCPStore prefill/decode pairs rendezvous on (0: a free one)")
     p.add_argument("--advertise-address", default=env_str("SPLITSERVE_ADVERTISE_ADDRESS"),
                    help="host:port prefill pushes KV to (default: --host and the bound port)")
     p.add_argument("--reservation-timeout-s", type=float,
@@ -30,14 +34,17 @@ async def amain(args) -> int:
     from decode_svc.servicer import SERVICE_NAME, DecodeServicer
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout, KVReceiver
-    from kvtransfer.grpc_backend import KVTransferServicer
+    from kvtransfer.endpoint import local_endpoint, pair_transport
+    from kvtransfer.pair_service import KVTransferService
     from protos import decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
+    backend = kv_backend_from_args(args)
     # NOTE: prefix caching is off on decode: its blocks are written by transfers, not computed
     cfg = engine_config_from_args(args, prefix_caching=False, role="decode")
     runtime.setup_tracing("splitserve-decode")
     engine = AsyncEngine(cfg)
     holder = {}
+    host = pair_host(args.advertise_address.rpartition(":")[0] if args.advertise_address else args.host)
 
     def register(server):
         info = engine.info()
@@ -45,26 +52,53 @@ async def amain(args) -> int:
                           head_dim=info["head_dim"], dtype=info["kv_dtype"],
                           block_size=info["block_size"])
         owner: dict[str, str] = {}  # request id -> transfer id (see EngineKVSink)
-        rx = KVReceiver(EngineKVSink(engine, layout.block_size, owner), layout,
-                        default_timeout_s=args.reservation_timeout_s)
+        sink = EngineKVSink(engine, layout.block_size, owner)
+        planes, accepted, pair = {}, ["grpc"], None
+        t = args.kv_pair_timeout_s
+        if backend == "dist":
+            from kvtransfer.dist_backend import DistPlane, DistRendezvous
+
+            rdv = holder["rdv"] = DistRendezvous(host, args.kv_store_port, t)
+            pair = local_endpoint(info["device"], rdv.address)
+            planes[pair_transport(pair.device)] = lambda: DistPlane(rdv, pair, host, t)
+            accepted = ["dist", "grpc"]
+        elif backend == "nixl":
+            from kvtransfer.nixl_backend import (GuardedSink, InflightGuard, NixlPlane, make_agent,
+                                                 register_kv_caches)
+
+            agent = make_agent(f"decode-{args.port}-{id(engine):x}")
+            kv = engine.engine.runner.kv_caches
+            register_kv_caches(agent, kv)
+            guard = InflightGuard()
+            sink = GuardedSink(sink, guard)
+
+            async def block_ids_of(rid):
+                return await engine.call(lambda e: e.kv.block_ids(rid))
+
+            planes["nixl"] = lambda: NixlPlane(agent, kv, layout, block_ids_of, guard, t)
+            pair = local_endpoint(info["device"])
+            accepted = ["nixl", "grpc"]
+        rx = KVReceiver(sink, layout, default_timeout_s=args.reservation_timeout_s)
         svc = DecodeServicer(engine, rx, runtime.get_metrics("decode"),
                              reservation_timeout_s=args.reservation_timeout_s,
-                             transfer_timeout_s=args.transfer_timeout_s, owner=owner)
-        holder.update(svc=svc, rx=rx)
+                             transfer_timeout_s=args.transfer_timeout_s, owner=owner,
+                             kv_backends=accepted, pair=pair)
+        kvsvc = KVTransferService(rx, planes, max_layer_bytes=layout.layer_nbytes(info["num_blocks"]))
+        holder.update(svc=svc, rx=rx, kvsvc=kvsvc)
         decode_pb2_grpc.add_DecodeServicer_to_server(svc, server)
-        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(rx), server)
+        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kvsvc, server)
         return [SERVICE_NAME, kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name]
 
     def started(port: int):
-        host = args.host
-        if host in ("0.0.0.0", "::", "[::]", ""):
-            import socket
+        holder["svc"].address = args.advertise_address or f"{pair_host(args.host)}:{port}"
 
-            host = socket.gethostname()  # a wildcard bind is not an address peers can dial
-        holder["svc"].address = args.advertise_address or f"{host}:{port}"
+    async def stop():
+        await holder["rx"].close()
+        await holder["kvsvc"].close()  # NOTE: waits for the pair groups before the store goes
+        if "rdv" in holder:
+            holder["rdv"].close()
 
-    return await runtime.serve("decode", args, engine, register,
-                               on_stop=lambda: holder["rx"].close(), started=started)
+    return await runtime.serve("decode", args, engine, register, on_stop=stop, started=started)
 
 
 def main(argv=None) -> int:

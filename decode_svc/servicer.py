@@ -2,7 +2,8 @@
 
 Lifecycle of one request:
   reserved   Reserve: engine.reserve pre-allocates blocks, KVReceiver.expect(transfer id)
-  receiving  KVTransfer.PushKV streams land layer by layer in those blocks
+  receiving  KV lands layer by layer in those blocks: KVTransfer.PushKV (grpc backend) or the
+             pair's KVTransfer.PairSession (dist / nixl; tickets say which backends we accept)
   running    Decode: waits for the transfer DONE, claims it, engine.add_prefilled joins the batch
   finished   stop / length / stop string / abort; blocks freed by the engine
 A reservation whose KV or Decode call never comes is failed by the receiver's reaper at its
@@ -32,7 +33,7 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine, receiver: KVReceiver, metrics, *, address: str = "",
                  reservation_timeout_s: float = 30.0, transfer_timeout_s: float = 30.0,
-                 owner: dict[str, str] | None = None):
+                 owner: dict[str, str] | None = None, kv_backends=("grpc",), pair=None):
         self.engine = engine              # AsyncEngine
         self.receiver = receiver
         self.metrics = metrics
@@ -43,6 +44,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._running: dict[str, tuple] = {}  # request id -> (pump task, its output queue)
         # request id -> transfer id of its current (unclaimed) reservation; read by the sink
         self.owner: dict[str, str] = owner if owner is not None else {}
+        self.kv_backends = list(kv_backends)  # advertised in tickets, preferred first
+        self.pair = pair                      # kvtransfer.endpoint.PairEndpoint for dist / nixl
         self._rate = Rate()
         self._generated = 0
 
@@ -89,11 +92,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.receiver.expect(tid, rid, len(blocks), n, timeout)
             self._reserved_tokens[tid] = n
             lay = self.receiver.layout
-            return decode_pb2.ReserveResponse(ticket=common_pb2.TransferTicket(
+            ticket = common_pb2.TransferTicket(
                 transfer_id=tid, decode_address=self.address, block_ids=blocks,
                 block_size=lay.block_size, num_tokens=n, expires_ms=int(timeout * 1e3),
                 layout=common_pb2.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                                           head_dim=lay.head_dim, dtype=lay.dtype)))
+                                           head_dim=lay.head_dim, dtype=lay.dtype),
+                kv_backends=self.kv_backends)
+            if self.pair is not None:
+                ticket.pair.CopyFrom(self.pair.to_pb())
+            return decode_pb2.ReserveResponse(ticket=ticket)
 
     def _disown(self, rid: str, tid: str) -> None:
         if self.owner.get(rid) == tid:

@@ -3,7 +3,8 @@
 add_request -> scheduler queues -> step() runs one batch through the ModelRunner -> outputs.
 Disaggregation hooks: the decode side `reserve`s blocks, `import_kv`s what prefill sent, then
 `add_prefilled` joins the request to the running batch; the prefill side runs `prefill_only`
-requests, `export_kv`s their blocks, and `release`s them.
+requests, `export_kv`s their blocks (or has them handed out layer by layer during the forward:
+`stream_kv_layers`, engine/layer_stream.py), and `release`s them.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES, KVBlocks
+from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES, KVBlocks, raw_view
 from engine.kv_cache import KVCacheManager
+from engine.layer_stream import LayerExport, LayerStreamer
 from engine.layers.attention import get_attention_backend
 from engine.loader import load_model
 from engine.models.llama import CausalLM
@@ -71,6 +74,8 @@ class Engine:
         nb = self.runner.plan_num_blocks(self.max_model_len)
         self.runner.allocate_kv(nb)
         self.runner.maybe_capture_graphs(self.max_model_len, self.attn_backend.name)
+        model.layer_hook = None  # set around a forward that streams KV layers out
+        self.layer_streamer = LayerStreamer(self.runner.kv_caches, self.runner.kv_scales, device)
         self.kv = KVCacheManager(nb, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len)
         eos = set(a.eos_token_ids)
@@ -120,6 +125,7 @@ class Engine:
         self.scheduler.abort(request_id)
         self.kv.free(request_id)
         self.requests.pop(request_id, None)
+        self.layer_streamer.unregister(request_id)
 
     def has_unfinished(self) -> bool:
         return any(not r.finished for r in self.requests.values())
@@ -142,7 +148,17 @@ class Engine:
             if s.sample:
                 sample_reqs.append(r)
         batch = self.runner.sampling_batch(sample_reqs) if sample_reqs else None
-        out, _ = self.runner.execute(rows, batch)
+        streamed = [(s.req.request_id, rows[i].block_ids, s.req.num_prompt_tokens)
+                    for i, s in enumerate(sched.scheduled)
+                    if s.sample and s.req.prefill_only and s.req.request_id in self.layer_streamer.callbacks]
+        hook = self.layer_streamer.begin_step(streamed) if streamed else None
+        self.runner.model.layer_hook = hook
+        try:
+            out, _ = self.runner.execute(rows, batch)
+        finally:
+            self.runner.model.layer_hook = None
+        if hook is not None:
+            self.layer_streamer.end_step()
         sampled: dict[str, int] = {}
         if out is not None:
             for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
@@ -170,6 +186,7 @@ class Engine:
         self.scheduler.abort(req.request_id)
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        self.layer_streamer.unregister(req.request_id)
         return RequestOutput(req.request_id, [], True, "error", error=msg,
                              num_prompt_tokens=req.num_prompt_tokens)
 
@@ -225,6 +242,15 @@ class Engine:
             return "length"
         return None
 
+    def stream_kv_layers(self, request_id: str, on_layer: Callable[[LayerExport], None]) -> None:
+        """Prefill side: hand out `request_id`'s KV layer by layer (on_layer(LayerExport), on
+        this thread, layer order) during the forward that completes its prompt. Register before
+        add_request(..., prefill_only=True); claims the id (a second registration, or one for
+        an id in use, raises InvalidRequestError). Dropped by abort / release / the export."""
+        if request_id in self.requests or request_id in self.layer_streamer.callbacks:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.layer_streamer.register(request_id, on_layer)
+
     def export_kv(self, request_id: str) -> KVBlocks:
         req = self.requests.get(request_id)
         ids = self.kv.block_ids(request_id)
@@ -253,8 +279,8 @@ class Engine:
             raise ValueError(f"{blocks.num_blocks} blocks sent, {len(ids)} reserved")
         idx = torch.tensor(ids[:blocks.num_blocks], dtype=torch.long, device=self.device)
         for i, t in enumerate(blocks.layers):
-            dst = self.runner.kv_caches[first_layer + i].view(torch.uint8)
-            dst.index_copy_(1, idx, t.to(self.device).view(torch.uint8))
+            dst = raw_view(self.runner.kv_caches[first_layer + i])
+            dst.index_copy_(1, idx, raw_view(t.to(self.device)))
         sc = self.runner.kv_scales
         if sc is not None and blocks.k_scales is not None:
             sc.k.copy_(torch.tensor(blocks.k_scales))
@@ -263,6 +289,7 @@ class Engine:
 
     def release(self, request_id: str) -> None:
         self.kv.free(request_id)
+        self.layer_streamer.unregister(request_id)
         req = self.requests.get(request_id)
         if req is not None and (req.finished or req.prefill_only):
             self.requests.pop(request_id, None)

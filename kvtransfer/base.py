@@ -40,15 +40,26 @@ class SendTransfer(abc.ABC):
 
 
 class KVSender(abc.ABC):
+    backend = "base"  # name in logs, metrics and PrefillResponse.kv_backend
+
     @abc.abstractmethod
     async def open(self, address: str, transfer_id: str, request_id: str, layout: KVLayout,
                    num_tokens: int, timeout_s: float | None = None,
-                   metadata: tuple | None = None) -> SendTransfer:
-        """metadata: transport headers (e.g. W3C traceparent) for backends that carry them."""
+                   metadata: tuple | None = None, *, peer=None) -> SendTransfer:
+        """metadata: transport headers (e.g. W3C traceparent) for backends that carry them.
+        peer: the decode's kvtransfer.endpoint.PairEndpoint (from the ticket), for backends
+        that pair with it directly (dist, nixl); others ignore it."""
 
     @abc.abstractmethod
     def get(self, transfer_id: str) -> Transfer | None:
         """State of a (recent) outgoing transfer."""
+
+    def unusable(self, address: str) -> str | None:
+        """Why this backend should not be tried with `address` now (None: go ahead)."""
+        return None
+
+    def prepare(self, address: str, peer) -> None:  # noqa: B027 - optional
+        """Start whatever a first transfer to `address` needs (e.g. pairing) in the background."""
 
     async def close(self) -> None:  # noqa: B027 - optional
         pass
@@ -56,10 +67,10 @@ class KVSender(abc.ABC):
 
 async def send_blocks(sender: KVSender, address: str, transfer_id: str, request_id: str,
                       blocks, layout: KVLayout, timeout_s: float | None = None,
-                      metadata: tuple | None = None) -> int:
+                      metadata: tuple | None = None, peer=None) -> int:
     """Send a whole engine KVBlocks layer by layer; -> bytes sent (raises TransferError)."""
     tx = await sender.open(address, transfer_id, request_id, layout, blocks.num_tokens, timeout_s,
-                           metadata)
+                           metadata, peer=peer)
     try:
         for i, t in enumerate(blocks.layers):
             ks = blocks.k_scales[i] if blocks.k_scales is not None else None

@@ -207,6 +207,8 @@ class GrpcSendTransfer(SendTransfer):
 class GrpcKVSender(KVSender):
     """Keeps one channel per decode address; transfers are independent streams on it."""
 
+    backend = "grpc"
+
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_records: int = 1024):
         if not (1024 <= chunk_bytes <= 32 * 1024 * 1024):
             raise ValueError(f"chunk_bytes must be in [1 KiB, 32 MiB], got {chunk_bytes}")
@@ -223,7 +225,7 @@ class GrpcKVSender(KVSender):
         return kvtransfer_pb2_grpc.KVTransferStub(ch)
 
     async def open(self, address, transfer_id, request_id, layout, num_tokens, timeout_s=None,
-                   metadata=None) -> GrpcSendTransfer:
+                   metadata=None, *, peer=None) -> GrpcSendTransfer:
         if not address:
             raise TransferError("no decode address in the transfer ticket")
         rec = Transfer(transfer_id, request_id)

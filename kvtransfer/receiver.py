@@ -1,8 +1,9 @@
 """KVReceiver: decode-side transfer bookkeeping, independent of the wire backend.
 
 The decode service `expect`s a transfer when it reserves blocks; a backend server (e.g.
-kvtransfer.grpc_backend.KVTransferServicer) calls `on_layer` for every complete layer and
-`on_commit` at the end; the Decode handler `wait`s for DONE and `claim`s the blocks.
+kvtransfer.grpc_backend.KVTransferServicer, kvtransfer.pair_service.KVTransferService) calls
+`on_layer` for every complete layer (or `on_layer_landed` when the transport wrote the blocks
+itself) and `on_commit` at the end; the Decode handler `wait`s for DONE and `claim`s the blocks.
 
 Invariants:
 - a FAILED transfer's blocks are released exactly once, through `sink.release(request_id)`;
@@ -161,6 +162,20 @@ class KVReceiver:
         t.state = TransferState.TRANSFERRING
         await self.sink.write_layer(t.request_id, layer_idx, tensor, self._meta[transfer_id][1])
         self.check_open(transfer_id)  # it may have failed (deadline) while we wrote
+        self._layer_done(t, layer_idx, k_scale, v_scale)
+
+    def on_layer_landed(self, transfer_id: str, layer_idx: int, shape, dtype: str,
+                        k_scale: float | None, v_scale: float | None) -> None:
+        """A layer's bytes were written into the reserved blocks by the transport itself
+        (nixl READ into the engine's cache); the caller checked the header before that."""
+        self.check_layer(transfer_id, layer_idx, shape, dtype)
+        t = self._transfers[transfer_id]
+        t.num_blocks = int(shape[1])
+        t.state = TransferState.TRANSFERRING
+        self._layer_done(t, layer_idx, k_scale, v_scale)
+
+    @staticmethod
+    def _layer_done(t: Transfer, layer_idx: int, k_scale, v_scale) -> None:
         t.layers_done.add(layer_idx)
         if k_scale is not None:
             t.k_scales[layer_idx] = k_scale

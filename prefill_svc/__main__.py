@@ -6,39 +6,65 @@ import sys
 
 from common.envs import env_float, env_int
 from common.grpc_util import service_main
-from common.service_args import add_engine_args, add_server_args, engine_config_from_args
+from common.service_args import (add_engine_args, add_kv_transfer_args, add_server_args,
+                                 engine_config_from_args, kv_backend_from_args, pair_host)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prefill_svc", description=__doc__)
     add_server_args(p, default_port=50061)
     add_engine_args(p)
+    add_kv_transfer_args(p)
     p.add_argument("--kv-chunk-bytes", type=int,
                    default=env_int("SPLITSERVE_KV_CHUNK_BYTES", 2 * 1024 * 1024),
                    help="KV transfer chunk size (1-4 MiB is a good range)")
     p.add_argument("--transfer-timeout-s", type=float,
-                   default=env_float("SPLITSERVE_TRANSFER_TIMEOUT_S", 30.0))
+                   default=env_float("SPLITSERVE_TRANSFER_TIMEOUT_S", 30.0),
+                   help="fail a request whose KV is not acked by decode in this time")
+    p.add_argument("--kv-nixl-staging-mb", type=int, default=256,
+                   help="nixl: registered staging buffer for outgoing layers (MiB)")
     return p.parse_args(argv)
 
 
 async def amain(args) -> int:
     from common import runtime
     from engine.async_engine import AsyncEngine
+    from kvtransfer import KVLayout
+    from kvtransfer.endpoint import local_endpoint
     from kvtransfer.grpc_backend import GrpcKVSender
+    from prefill_svc.kv_push import KVPusher
     from prefill_svc.servicer import SERVICE_NAME, PrefillServicer
     from protos import prefill_pb2_grpc
 
+    backend = kv_backend_from_args(args)
     cfg = engine_config_from_args(args, prefix_caching=True)
     runtime.setup_tracing("splitserve-prefill")
     engine = AsyncEngine(cfg)
-    sender = GrpcKVSender(chunk_bytes=args.kv_chunk_bytes)
+    holder = {}
 
     def register(server):
-        svc = PrefillServicer(engine, sender, runtime.get_metrics("prefill"), args.transfer_timeout_s)
-        prefill_pb2_grpc.add_PrefillServicer_to_server(svc, server)
+        info = engine.info()
+        layout = KVLayout(num_layers=info["num_layers"], num_kv_heads=info["num_kv_heads"],
+                          head_dim=info["head_dim"], dtype=info["kv_dtype"], block_size=info["block_size"])
+        local = local_endpoint(info["device"])
+        senders = {"grpc": GrpcKVSender(chunk_bytes=args.kv_chunk_bytes)}
+        pair_kw = dict(op_timeout_s=args.kv_pair_timeout_s, connect_timeout_s=args.kv_pair_timeout_s)
+        if backend == "dist":
+            from kvtransfer.dist_backend import DistKVSender
+
+            senders["dist"] = DistKVSender(local, host=pair_host(args.host), **pair_kw)
+        elif backend == "nixl":
+            from kvtransfer.nixl_backend import NixlKVSender
+
+            senders["nixl"] = NixlKVSender(local, staging_bytes=args.kv_nixl_staging_mb << 20, **pair_kw)
+        metrics = runtime.get_metrics("prefill")
+        pusher = holder["pusher"] = KVPusher(senders, backend, local, layout, metrics,
+                                             args.transfer_timeout_s)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(engine, pusher, metrics), server)
         return [SERVICE_NAME]
 
-    return await runtime.serve("prefill", args, engine, register, on_stop=sender.close)
+    return await runtime.serve("prefill", args, engine, register,
+                               on_stop=lambda: holder["pusher"].close())
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,12 @@
 """PrefillServicer: the gRPC edge of the prefill service (thin; the engine thread does the work).
 
 Prefill(request, ticket):
-  1. engine.generate(prefill_only=True) -> first token (+ logprobs); the engine keeps the blocks
-  2. export_kv -> push every layer to ticket.decode_address (kvtransfer gRPC backend)
-  3. release the blocks (always, also on failure / cancel; full blocks stay in the prefix cache)
+  1. claim the request id in the engine with a layer stream (engine.stream_kv_layers)
+  2. engine.generate(prefill_only=True): while the prompt's last forward runs, each finished
+     layer is handed to the KVPusher, which sends it to ticket.decode_address on the backend
+     chosen for this pair (grpc / dist / nixl; prefill_svc/kv_push.py)
+  3. first token sampled -> wait for decode's ack of the whole KV
+  4. release the blocks (always, also on failure / cancel; full blocks stay in the prefix cache)
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import grpc
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate, server_span, set_span_attrs, span, trace_metadata
 from engine.sampling_params import InvalidRequestError
-from kvtransfer import KVLayout, TransferError, send_blocks
+from kvtransfer import TransferError
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
@@ -25,15 +28,11 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine, sender, metrics, transfer_timeout_s: float = 30.0):
+    def __init__(self, engine, pusher, metrics):
         self.engine = engine          # AsyncEngine (or any object with its interface)
-        self.sender = sender          # kvtransfer.KVSender
+        self.pusher = pusher          # prefill_svc.kv_push.KVPusher
         self.metrics = metrics
-        self.transfer_timeout_s = transfer_timeout_s
-        info = engine.info()
-        self.layout = KVLayout(num_layers=info["num_layers"], num_kv_heads=info["num_kv_heads"],
-                               head_dim=info["head_dim"], dtype=info["kv_dtype"],
-                               block_size=info["block_size"])
+        self.layout = pusher.layout
         self.in_flight = 0
         self._rate = Rate()
         self._prompt_tokens = 0
@@ -69,34 +68,46 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             prompt = [int(t) for t in request.prompt_token_ids]
             ticket = request.ticket
+            route = self.pusher.route(ticket)
+            loop = asyncio.get_running_loop()
+            layers: asyncio.Queue = asyncio.Queue()
             self.in_flight += 1
-            ok, added = False, True  # added: the engine may hold the request (free it after)
+            ok, added, push = False, False, None  # added: the engine holds the id (free it after)
             try:
-                first = None
+                def claim(e):  # NOTE: on_layer runs on the engine thread: only hand over
+                    e.stream_kv_layers(rid, lambda x: loop.call_soon_threadsafe(layers.put_nowait, x))
+
                 try:
-                    async for out in self.engine.generate(rid, prompt, params, prefill_only=True):
-                        if out.finish_reason == "error":
-                            raise RuntimeError(out.error or "prefill failed in the engine")
-                        if out.new_token_ids:
-                            first = out
-                except InvalidRequestError as e:  # refused by add_request: nothing held
-                    added = False  # NOTE: e.g. a duplicate id; freeing "rid" would hit the other one
+                    await self.engine.call(claim)
+                except InvalidRequestError as e:  # e.g. a duplicate id: nothing of ours is held
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except RuntimeError as e:  # engine error or engine thread died
-                    await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
-                if first is None:
-                    await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
-                t_first = time.perf_counter()
-                kv = await self.engine.call(lambda e: e.export_kv(rid))
-                try:
-                    with span("kv.send", {"splitserve.kv.backend": "grpc",
-                                          "splitserve.kv.blocks": kv.num_blocks}):
-                        nbytes = await send_blocks(self.sender, ticket.decode_address, ticket.transfer_id,
-                                                   rid, kv, self.layout, self.transfer_timeout_s,
-                                                   trace_metadata())
-                except TransferError as e:
-                    self.metrics.kv_transfer_failures.labels(direction="send").inc()
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode failed: {e}")
+                added = True
+                with span("kv.send", {"splitserve.kv.backend": route.backend}) as ksp:
+                    push = loop.create_task(self.pusher.push(route, ticket, rid, layers, trace_metadata()))
+                    push.add_done_callback(_retrieve)  # an early failure is read below (or moot)
+                    first = None
+                    try:
+                        async for out in self.engine.generate(rid, prompt, params, prefill_only=True):
+                            if out.finish_reason == "error":
+                                raise RuntimeError(out.error or "prefill failed in the engine")
+                            if out.new_token_ids:
+                                first = out
+                    except InvalidRequestError as e:  # refused by add_request (e.g. bad token id)
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    except RuntimeError as e:  # engine error or engine thread died
+                        await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
+                    if first is None:
+                        await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
+                    t_first = time.perf_counter()
+                    try:
+                        # NOTE: every layer was queued before the first token was delivered; the
+                        # bound only guards against a transfer that never ends
+                        nbytes, backend = await asyncio.wait_for(push, self.pusher.timeout_s + 5)
+                    except (TransferError, asyncio.TimeoutError, TimeoutError) as e:
+                        self.metrics.kv_transfer_failures.labels(direction="send").inc()
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            f"KV transfer to decode failed: {str(e) or 'timed out'}")
+                    set_span_attrs(ksp, {"splitserve.kv.backend": backend, "splitserve.kv.bytes": nbytes})
                 t_sent = time.perf_counter()
                 ok = True
             except BaseException:
@@ -104,6 +115,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise
             finally:
                 self.in_flight -= 1
+                if push is not None and not push.done():
+                    push.cancel()  # it aborts its transfer
                 # NOTE: always, shielded: a cancelled RPC still frees the blocks. abort (not just
                 # release) on failure also drops a request whose add_request is still queued.
                 if added:
@@ -114,18 +127,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._prompt_tokens += len(prompt)
             tok = first.new_token_ids[0]
             lp = logprob_to_pb(first.logprobs[0], tok) if first.logprobs else None
-            set_span_attrs(sp, {"splitserve.kv.bytes": nbytes, "splitserve.kv.blocks": kv.num_blocks,
+            n_blocks = -(-len(prompt) // self.layout.block_size)
+            set_span_attrs(sp, {"splitserve.kv.bytes": nbytes, "splitserve.kv.blocks": n_blocks,
+                                "splitserve.kv.backend": backend,
                                 "gen_ai.usage.cached_tokens": first.num_cached_tokens})
             return prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=tok, first_logprob=lp,
                 num_prompt_tokens=first.num_prompt_tokens or len(prompt),
-                num_cached_tokens=first.num_cached_tokens, kv_bytes=nbytes,
+                num_cached_tokens=first.num_cached_tokens, kv_bytes=nbytes, kv_backend=backend,
                 timings=prefill_pb2.PrefillTimings(prefill_ms=(t_first - t_in) * 1e3,
                                                    transfer_ms=(t_sent - t_first) * 1e3))
 
     async def Load(self, request, context):
         st = self.engine.stats()
         return load_to_pb(st, tokens_per_s=int(self._rate.update(self._prompt_tokens)))
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _release(engine, rid: str, abort: bool) -> None:

@@ -2,6 +2,10 @@
 
 Starts prefill and decode (engine flags not known here are forwarded to both), waits for
 their ready files, starts the gateway pointing at them, waits for it, prints the URLs.
+
+Placement: `--prefill-gpu N --decode-gpu M` runs each service on its own GPU (`--device
+cuda:N` / `cuda:M`); on two different GPUs the KV transfer backend defaults to dist (NCCL,
+GPU to GPU). `--kv-transfer-backend` sets it explicitly for both services.
 Ctrl-C / SIGTERM -> SIGTERM to all three, SIGKILL to any still alive after a grace period.
 If one child dies, the others are stopped and `up` exits non-zero.
 """
@@ -16,6 +20,11 @@ import tempfile
 import time
 
 GRACE_S = 10.0
+KV_BACKENDS = ("grpc", "dist", "nixl")
+
+
+class UpError(ValueError):
+    """Flags that cannot work together (checked before anything starts)."""
 
 
 def _die_with_parent() -> None:
@@ -110,9 +119,65 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="extra flag for the gateway only (repeat), e.g. --gateway-arg=--default-ttft-ms=500")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--log-level", default=None)
+    p.add_argument("--prefill-gpu", type=int, default=None, metavar="N",
+                   help="run prefill on cuda:N (with --decode-gpu)")
+    p.add_argument("--decode-gpu", type=int, default=None, metavar="M",
+                   help="run decode on cuda:M (with --prefill-gpu)")
+    p.add_argument("--kv-transfer-backend", choices=KV_BACKENDS, default=None,
+                   help="KV transfer between prefill and decode (SPLITSERVE_KV_TRANSFER_BACKEND); "
+                        "default: dist when the two run on different GPUs, else grpc")
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def placement(a: argparse.Namespace, engine_args: list[str], cuda_count: int | None = None
+              ) -> tuple[dict[str, list[str]], str | None]:
+    """-> (extra flags per service, KV backend or None for the services' default).
+    Raises UpError for flags that cannot work (cuda_count: GPUs seen; None -> ask torch)."""
+    from common.envs import env_str
+
+    extra: dict[str, list[str]] = {"prefill": [], "decode": []}
+    backend = a.kv_transfer_backend or env_str("SPLITSERVE_KV_TRANSFER_BACKEND")
+    if backend is not None and backend not in KV_BACKENDS:
+        raise UpError(f"SPLITSERVE_KV_TRANSFER_BACKEND={backend!r}: use one of {', '.join(KV_BACKENDS)}")
+    gpus = {"prefill": a.prefill_gpu, "decode": a.decode_gpu}
+    if all(g is None for g in gpus.values()):
+        return extra, backend
+    if any(g is None for g in gpus.values()):
+        raise UpError("--prefill-gpu and --decode-gpu go together (each service gets its own device)")
+    if any(x == "--device" or x.startswith("--device=") for x in engine_args):
+        raise UpError("--device conflicts with --prefill-gpu / --decode-gpu (they set each service's device)")
+    n = _cuda_count() if cuda_count is None else cuda_count
+    if n == 0:
+        raise UpError("--prefill-gpu / --decode-gpu need CUDA, but torch sees no GPU on this machine "
+                      "(drop the flags to run on CPU)")
+    for name, g in gpus.items():
+        if not 0 <= g < n:
+            raise UpError(f"--{name}-gpu {g}: this machine has {n} GPU(s) (0..{n - 1})")
+    same = gpus["prefill"] == gpus["decode"]
+    if backend is None:
+        backend = "grpc" if same else "dist"
+    if backend == "dist" and same:
+        raise UpError(f"--kv-transfer-backend dist with prefill and decode both on GPU {gpus['prefill']}: "
+                      "NCCL cannot pair two ranks on one GPU; use two GPUs or --kv-transfer-backend grpc")
+    for name, g in gpus.items():
+        extra[name] += ["--device", f"cuda:{g}"]
+    return extra, backend
 
 
 def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
+    try:
+        extra, backend = placement(a, engine_args)
+    except UpError as e:
+        print(f"splitserve up: {e}", file=sys.stderr)
+        return 2
+    if backend is not None:
+        for flags in extra.values():
+            flags += ["--kv-transfer-backend", backend]
     tmp = tempfile.mkdtemp(prefix="splitserve-up-")
     env = dict(os.environ)
     common = ["--model", a.model, "--host", a.host] + (["--log-level", a.log_level] if a.log_level else [])
@@ -131,6 +196,7 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
             args = common + ["--port", str(port), "--ready-file", os.path.join(tmp, name)]
             if mport:
                 args += ["--metrics-port", mport]
+            args += extra[name]
             children.append(Child(name, service_cmd(module, args + engine_args),
                                   os.path.join(tmp, name), env))
         ready = wait_ready(children, a.ready_timeout)
@@ -143,7 +209,7 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                               env))
         ready = wait_ready(children, a.ready_timeout)
         gport, hport = ready["gateway"][0], ready["gateway"][1]
-        print(f"splitserve is up (model {a.model}):\n"
+        print(f"splitserve is up (model {a.model}, KV transfer: {backend or 'grpc'}):\n"
               f"  REST (OpenAI)  http://{a.host}:{hport}/v1   (health: /health, metrics: /metrics)\n"
               f"  gRPC           {a.host}:{gport}   (splitserve.v1.Generation)\n"
               f"  prefill        {a.host}:{pport}\n  decode         {a.host}:{dport}\n"

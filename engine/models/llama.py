@@ -149,8 +149,11 @@ class CausalLM(torch.nn.Module):
                 layer.forward_fused(rope, h, kv_caches[i], meta, kv_scales)
             return self.norm(h)
         residual = None
+        hook = getattr(self, "layer_hook", None)  # optional: hook(i) after layer i (KV streaming)
         for i, layer in enumerate(self.layers):
             h, residual = layer(rope, h, residual, kv_caches[i], meta, kv_scales)
+            if hook is not None:
+                hook(i)
         h, _ = self.norm(h, residual)
         return h
 

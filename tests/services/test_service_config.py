@@ -91,3 +91,18 @@ def test_skinny_gemm_flag(monkeypatch):
     assert engine_config_from_args(parse([])).device.skinny_gemm_max_batch == 4
     with pytest.raises(ConfigError, match="skinny_gemm_max_batch"):
         engine_config_from_args(parse(["--skinny-gemm-max-batch", "65"]))
+
+
+def test_kv_transfer_backend_flag_and_env(monkeypatch):
+    from common.service_args import kv_backend_from_args
+
+    assert kv_backend_from_args(prefill_args([])) == "grpc"  # default
+    monkeypatch.setenv("SPLITSERVE_KV_TRANSFER_BACKEND", "dist")
+    assert kv_backend_from_args(prefill_args([])) == "dist"
+    assert kv_backend_from_args(decode_args([])) == "dist"
+    assert kv_backend_from_args(decode_args(["--kv-transfer-backend", "grpc"])) == "grpc"  # flag wins
+    monkeypatch.setenv("SPLITSERVE_KV_TRANSFER_BACKEND", "rdma")
+    with pytest.raises(ConfigError, match="SPLITSERVE_KV_TRANSFER_BACKEND"):
+        kv_backend_from_args(prefill_args([]))
+    with pytest.raises(ConfigError, match="kv-pair-timeout"):
+        kv_backend_from_args(prefill_args(["--kv-transfer-backend", "dist", "--kv-pair-timeout-s", "0"]))

@@ -1,0 +1,149 @@
+"""KV transfer bandwidth per backend, for one request's KV of a given shape (default: the
+Llama-3.1-8B cache, 32 layers x 8 KV heads x head_dim 128, bf16, block 16).
+
+    python -m bench.kv_transfer [--tokens 128 2048 8192] [--layers 32] [--repeats 5]
+                                [--backends grpc dist nccl peer]
+
+A receiver runs in its own process (kvtransfer.loopback: the decode-side endpoints in front of
+a paged cache, writes landing in reserved blocks as on decode); this process sends. One
+transfer = open -> every layer -> commit -> ack; timed end to end, median of --repeats after a
+warm-up transfer (which also sets up the pair). Rows:
+
+    grpc   gRPC chunks over loopback (CPU tensors; what prefill does without a direct backend)
+    dist   torch.distributed gloo between two CPU processes
+    nccl   dist over NCCL, sender cuda:0 -> receiver cuda:1 (needs two GPUs)
+    peer   tensor.to('cuda:1') from cuda:0 in one process: the copy-engine ceiling (two GPUs)
+
+Prints a table, writes JSON to bench/results/ (bench.common.write_result).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from bench.common import print_table, write_result
+from engine.kv_blocks import KVBlocks
+from kvtransfer import KVLayout, send_blocks
+from kvtransfer.loopback import ReceiverProc
+
+
+def _layer(layout: KVLayout, n_blocks: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, 255, (layout.layer_nbytes(n_blocks),), dtype=torch.uint8, generator=g)
+    return t.view(layout.torch_dtype).reshape(layout.layer_shape(n_blocks)).to(device)
+
+
+async def _bench_sender(name: str, sender, rp: ReceiverProc, layout: KVLayout, tokens: int,
+                        repeats: int, device: str) -> dict:
+    n_blocks = -(-tokens // layout.block_size)
+    layer = _layer(layout, n_blocks, device)  # NOTE: every layer sends this one tensor (reads only)
+    kv = KVBlocks(layout.block_size, tokens, layout.dtype, [layer] * layout.num_layers)
+    times = []
+    for i in range(repeats + 1):
+        tid = f"{name}-{tokens}-{i}"
+        rp.expect(tid, tid, list(range(n_blocks)), tokens)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = await send_blocks(sender, rp.address, tid, tid, kv, layout, 600, peer=rp.endpoint)
+        dt = time.perf_counter() - t0
+        rp.claim(tid)
+        if i:  # the first one warms up (and pairs)
+            times.append(dt)
+    med = statistics.median(times)
+    return {"backend": name, "tokens": tokens, "bytes": n, "ms": round(med * 1e3, 3),
+            "GB/s": round(n / med / 1e9, 3), "min_ms": round(min(times) * 1e3, 3)}
+
+
+def _peer_copy(layout: KVLayout, tokens: int, repeats: int) -> dict:
+    n_blocks = -(-tokens // layout.block_size)
+    src = [_layer(layout, n_blocks, "cuda:0") for _ in range(2)]
+    nbytes = layout.layer_nbytes(n_blocks) * layout.num_layers
+    times = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        t0 = time.perf_counter()
+        for li in range(layout.num_layers):
+            src[li % 2].to("cuda:1", non_blocking=True)
+        torch.cuda.synchronize("cuda:1")
+        torch.cuda.synchronize("cuda:0")
+        if i:
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"backend": "peer", "tokens": tokens, "bytes": nbytes, "ms": round(med * 1e3, 3),
+            "GB/s": round(nbytes / med / 1e9, 3), "min_ms": round(min(times) * 1e3, 3)}
+
+
+async def run(a) -> list[dict]:
+    from kvtransfer.dist_backend import DistKVSender
+    from kvtransfer.endpoint import local_endpoint
+    from kvtransfer.grpc_backend import GrpcKVSender
+
+    layout = KVLayout(a.layers, a.kv_heads, a.head_dim, a.dtype, a.block_size)
+    max_blocks = -(-max(a.tokens) // a.block_size)
+    two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    rows = []
+    want = set(a.backends)
+    if want & {"grpc", "dist"}:
+        rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, timeout_s=120)
+        try:
+            senders = []
+            if "grpc" in want:
+                senders.append(("grpc", GrpcKVSender(chunk_bytes=a.chunk_bytes)))
+            if "dist" in want:
+                senders.append(("dist", DistKVSender(local_endpoint("cpu"), host="127.0.0.1",
+                                                     op_timeout_s=120, connect_timeout_s=30)))
+            for name, s in senders:
+                for tokens in a.tokens:
+                    rows.append(await _bench_sender(name, s, rp, layout, tokens, a.repeats, "cpu"))
+                    print(rows[-1], flush=True)
+                await s.close()
+        finally:
+            rp.stop()
+    if "nccl" in want and two_gpus:
+        rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, device="cuda:1", timeout_s=120)
+        try:
+            s = DistKVSender(local_endpoint("cuda:0"), host="127.0.0.1", op_timeout_s=120)
+            for tokens in a.tokens:
+                rows.append(await _bench_sender("nccl", s, rp, layout, tokens, a.repeats, "cuda:0"))
+                print(rows[-1], flush=True)
+            await s.close()
+        finally:
+            rp.stop()
+    if "peer" in want and two_gpus:
+        for tokens in a.tokens:
+            rows.append(_peer_copy(layout, tokens, a.repeats))
+    skipped = sorted(want & {"nccl", "peer"}) if not two_gpus else []
+    if skipped:
+        print(f"skipped {', '.join(skipped)}: needs two CUDA GPUs", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 2048, 8192])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunk-bytes", type=int, default=2 << 20, help="grpc chunk size")
+    ap.add_argument("--backends", nargs="+", default=["grpc", "dist", "nccl", "peer"],
+                    choices=["grpc", "dist", "nccl", "peer"])
+    a = ap.parse_args()
+    rows = asyncio.run(run(a))
+    print_table(rows, ["backend", "tokens", "bytes", "ms", "GB/s", "min_ms"])
+    cfg = {k: v for k, v in vars(a).items()}
+    cfg["shape"] = (f"{a.layers} layers x 2 x {a.kv_heads} kv heads x {a.head_dim} x {a.dtype}, "
+                    f"block {a.block_size}")
+    print("wrote", write_result("kv_transfer", cfg, {"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Which KV transfer backend a prefill/decode pair uses, decided per ticket on the prefill side.
+
+    grpc   bytes in gRPC messages (any host, any device; KV staged through host memory)
+    dist   torch.distributed point-to-point over a two-rank group per pair: gloo between CPU
+           caches, NCCL between CUDA caches (no host staging); control stays on gRPC
+    nixl   NIXL one-sided READs (RDMA between hosts); needs the `nixl` package
+
+Decode advertises what it accepts in its Reserve ticket (`kv_backends`, preferred first, plus a
+`PairEndpoint`); prefill wants one backend (its flag) and falls back to grpc, with a reason for
+the logs and metrics, when the pair cannot use it. gRPC is always accepted, so a fallback
+never fails a request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("grpc", "dist", "nixl")
+
+
+class BackendUnavailable(RuntimeError):
+    """A selected backend cannot run in this process (e.g. nixl is not installed)."""
+
+
+@dataclass(frozen=True)
+class PairEndpoint:
+    """One side's KV device as the pairing sees it (decode's comes from the ticket)."""
+    device: str = "cpu"            # "cpu" | "cuda:N"
+    device_uuid: str = ""          # CUDA: GPU UUID
+    store_address: str = ""        # dist: decode's TCPStore host:port
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":", 1)[0]
+
+    @classmethod
+    def from_pb(cls, pb) -> "PairEndpoint":
+        return cls(device=pb.device or "cpu", device_uuid=pb.device_uuid,
+                   store_address=pb.store_address)
+
+    def to_pb(self):
+        from protos import common_pb2
+
+        return common_pb2.PairEndpoint(device=self.device, device_uuid=self.device_uuid,
+                                       store_address=self.store_address)
+
+
+def local_endpoint(device: str, store_address: str = "") -> PairEndpoint:
+    """This process's endpoint for its KV cache device ('cuda:N' gets the GPU's UUID)."""
+    uuid = ""
+    if device.startswith("cuda"):
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.device(device))
+        uuid = str(getattr(props, "uuid", ""))
+    return PairEndpoint(device=device, device_uuid=uuid, store_address=store_address)
+
+
+def ticket_backends(ticket) -> tuple[list[str], PairEndpoint | None]:
+    """-> (backends decode accepts, its endpoint or None) from a TransferTicket."""
+    backends = list(ticket.kv_backends) or ["grpc"]
+    return backends, PairEndpoint.from_pb(ticket.pair) if ticket.HasField("pair") else None
+
+
+def same_gpu(a: PairEndpoint, b: PairEndpoint) -> bool:
+    if a.device_type != "cuda" or b.device_type != "cuda":
+        return False
+    if a.device_uuid and b.device_uuid:
+        return a.device_uuid == b.device_uuid
+    return a.device == b.device  # no UUIDs: assume one host, compare indices
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str                # what to use
+    code: str | None = None     # why not the wanted one (a short metric label), None if it is
+    why: str = ""               # the same for people (logs)
+
+
+def choose_backend(want: str, accepted: list[str], peer: PairEndpoint | None,
+                   local: PairEndpoint) -> Choice:
+    """-> the backend for this pair; grpc (with a reason) when `want` cannot be used here.
+    Never raises: grpc always works."""
+    if want == "grpc":
+        return Choice("grpc")
+    if want not in accepted:
+        return Choice("grpc", "not_accepted", f"decode does not accept {want} (it accepts {', '.join(accepted)})")
+    if peer is None:
+        return Choice("grpc", "no_endpoint", f"decode accepts {want} but sent no pair endpoint")
+    if peer.device_type != local.device_type:
+        # NOTE: gloo moves CPU tensors and NCCL CUDA ones; a mixed pair would need host
+        # staging on one side, which is what the grpc backend does anyway.
+        return Choice("grpc", "device_mismatch", f"KV caches on different device types "
+                      f"(prefill {local.device}, decode {peer.device})")
+    if want == "dist":
+        if local.device_type not in ("cpu", "cuda"):
+            return Choice("grpc", "device_mismatch", f"dist has no transport for {local.device}")
+        if same_gpu(local, peer):
+            return Choice("grpc", "same_gpu", f"prefill and decode share GPU {local.device}: NCCL "
+                          "cannot pair two ranks on one GPU")
+        if not peer.store_address:
+            return Choice("grpc", "no_endpoint", "decode sent no rendezvous store address")
+    return Choice(want)
+
+
+def pair_transport(device: str) -> str:
+    """torch.distributed backend for a pair whose KV lives on `device`."""
+    return "nccl" if device.startswith("cuda") else "gloo"

@@ -1,0 +1,385 @@
+"""nixl backend: KV layers move by NIXL one-sided READs (UCX: RDMA between hosts, NVLink /
+CUDA IPC within one), behind the same KVSender / KVReceiver interfaces as the others.
+
+NEVER RUN against a real `nixl` install: none was available where this was written (no
+package, no RDMA NIC). The flow, the descriptor arithmetic and the failure handling are tested
+with a fake agent that copies memory (tests/kvtransfer/test_nixl_backend.py); the calls into
+nixl follow its Python API (nixl._api.nixl_agent: register_memory, get_agent_metadata,
+add_remote_agent, get_xfer_descs, initialize_xfer, transfer, check_xfer_state,
+release_xfer_handle, remove_remote_agent). Expect to debug it on the first real machine.
+
+Design (pull, like the NIXL connectors of vLLM and Dynamo, but our own code):
+- one agent per process; prefill registers a staging pool once, decode registers its KV cache
+  tensors once (per layer [2, num_blocks, block_size, kv_heads, head_dim]);
+- handshake on the PairSession control stream (kvtransfer.proto): prefill's hello carries its
+  agent metadata, decode loads it (add_remote_agent) and answers with its own;
+- per layer, prefill copies the layer into a staging range and sends the header with the
+  range's address; decode checks the header against the open transfer's reservation, then
+  READs the bytes straight into its reserved blocks (block-level descriptors built from the
+  block ids) and polls the transfer to completion; commit / ack as for every backend.
+
+Hazards:
+- NOTE: decode READs into engine-owned blocks outside the engine thread. A transfer that fails
+  while a READ is in flight must not free those blocks before the READ ends: decode wraps its
+  sink in GuardedSink, whose release waits for the request's in-flight READs.
+- NOTE: prefill frees a transfer's staging ranges once the transfer is over (ack, nack, abort).
+  A READ still in flight after a nack lands in the failed transfer's own (guarded) blocks.
+- NOTE: a READ that neither completes nor errors is given up at its deadline
+  (release_xfer_handle cancels it); the pair is then broken.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import defaultdict
+from typing import Awaitable, Callable, Sequence
+
+import torch
+
+from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
+from kvtransfer.pair_client import PairClient, PairSendTransfer
+from kvtransfer.pair_sender import PairKVSender
+from kvtransfer.pair_service import RecvPlane
+from kvtransfer.state import KVLayout, TransferError
+from protos import kvtransfer_pb2
+
+log = logging.getLogger("splitserve.kvtransfer.nixl")
+
+NOT_INSTALLED = ("nixl is not installed (pip install nixl; it also needs UCX): "
+                 "--kv-transfer-backend nixl cannot run here, use grpc or dist")
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_agent(name: str):
+    """A real nixl agent (UCX backend); BackendUnavailable when nixl is missing."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise BackendUnavailable(NOT_INSTALLED) from e
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def mem_type(device: str | torch.device) -> str:
+    return "VRAM" if str(device).startswith("cuda") else "DRAM"
+
+
+def device_id(device: str | torch.device) -> int:
+    d = torch.device(device)
+    return (d.index or 0) if d.type == "cuda" else 0
+
+
+# ---- descriptors ------------------------------------------------------------------------
+def layer_block_descs(base: int, blocks_in_tensor: int, block_bytes: int, block_ids: Sequence[int],
+                      dev: int) -> list[tuple[int, int, int]]:
+    """(addr, nbytes, device) of the given blocks, K half then V half, in a contiguous layer
+    tensor [2, blocks_in_tensor, block_size, kv_heads, head_dim] starting at `base`."""
+    return [(base + (kv * blocks_in_tensor + b) * block_bytes, block_bytes, dev)
+            for kv in (0, 1) for b in block_ids]
+
+
+def merge_contiguous(local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]):
+    """Merge neighbouring descriptor pairs that are contiguous on both sides (fewer, larger
+    RDMA ops; consecutive block ids are common). -> (local, remote), same length."""
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local vs {len(remote)} remote descriptors")
+    lo: list[list[int]] = []
+    ro: list[list[int]] = []
+    for (la, ln, ld), (ra, rn, rd) in zip(local, remote):
+        if ln != rn:
+            raise ValueError(f"descriptor sizes differ: {ln} vs {rn}")
+        if lo and lo[-1][0] + lo[-1][1] == la and ro[-1][0] + ro[-1][1] == ra \
+                and lo[-1][2] == ld and ro[-1][2] == rd:
+            lo[-1][1] += ln
+            ro[-1][1] += rn
+        else:
+            lo.append([la, ln, ld])
+            ro.append([ra, rn, rd])
+    return [tuple(x) for x in lo], [tuple(x) for x in ro]
+
+
+def block_bytes(layout: KVLayout) -> int:
+    return layout.layer_nbytes(1) // 2
+
+
+# ---- prefill side -----------------------------------------------------------------------
+class _Staging:
+    """First-fit ranges in one registered buffer."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf  # flat uint8
+        self.size = buf.numel()
+        self._used: dict[int, int] = {}  # offset -> nbytes
+        self._freed = asyncio.Event()
+
+    def try_alloc(self, n: int) -> int | None:
+        off = 0
+        for o, ln in sorted(self._used.items()):
+            if o - off >= n:
+                break
+            off = o + ln
+        if off + n > self.size:
+            return None
+        self._used[off] = n
+        return off
+
+    async def alloc(self, n: int, deadline: float) -> int:
+        if n > self.size:
+            raise TransferError(f"a layer of {n} B exceeds the nixl staging buffer ({self.size} B)")
+        while True:
+            off = self.try_alloc(n)
+            if off is not None:
+                return off
+            self._freed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError("nixl staging buffer full (decode is not reading?)")
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+
+    def free(self, off: int) -> None:
+        if self._used.pop(off, None) is not None:
+            self._freed.set()
+
+
+class NixlPairClient(PairClient):
+    backend = "nixl"
+
+    def __init__(self, channel, address, peer, local, op_timeout_s, connect_timeout_s, owner: "NixlKVSender"):
+        super().__init__(channel, address, peer, local, op_timeout_s, connect_timeout_s)
+        self.owner = owner
+        self._ranges: dict[str, list[int]] = defaultdict(list)  # transfer id -> staging offsets
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._stager: asyncio.Task | None = None
+
+    def hello(self):
+        return kvtransfer_pb2.PairHello(pair_id=self.pair_id, backend="nixl", device=self.local.device,
+                                        device_uuid=self.local.device_uuid,
+                                        timeout_ms=int(self.op_timeout_s * 1e3),
+                                        nixl_metadata=self.owner.agent.get_agent_metadata())
+
+    async def join(self, accept) -> None:
+        self._stager = asyncio.get_running_loop().create_task(self._stage_loop())
+
+    def send_layer(self, tx: PairSendTransfer, layer_idx, tensor, k_scale, v_scale) -> asyncio.Future:
+        if self.broken is not None:
+            raise TransferError(f"nixl pair with {self.address} is broken: {self.broken}")
+        if tensor.device != self.owner.staging.buf.device:
+            raise TransferError(f"layer on {tensor.device}, the nixl staging buffer is on "
+                                f"{self.owner.staging.buf.device}")
+        fut = asyncio.get_running_loop().create_future()
+        self._q.put_nowait((tx, layer_idx, tensor, k_scale, v_scale, fut))
+        return fut
+
+    def commit(self, tx: PairSendTransfer) -> None:
+        self._q.put_nowait((tx, None))  # NOTE: behind the layers still being staged
+
+    async def _stage_loop(self) -> None:
+        """Stage layers one at a time, in call order, so headers keep their seq order and the
+        commit follows the last header."""
+        while True:
+            item = await self._q.get()
+            if item[1] is None:
+                super().commit(item[0])
+                continue
+            tx, li, tensor, ks, vs, fut = item
+            if fut.done():
+                continue
+            try:
+                nbytes = tensor.numel() * tensor.element_size()
+                st = self.owner.staging
+                off = await st.alloc(nbytes, tx.record.deadline if tx.record.deadline != float("inf")
+                                     else time.monotonic() + self.op_timeout_s)
+                self._ranges[tx.record.transfer_id].append(off)
+                dst = st.buf[off:off + nbytes]
+                src = tensor.contiguous().view(torch.uint8).reshape(-1)
+                if dst.is_cuda:
+                    await asyncio.to_thread(_copy_on_side_stream, dst, src)
+                else:
+                    dst.copy_(src)
+                if self.broken is not None or tx.record.state.terminal:
+                    raise TransferError(f"transfer {tx.record.transfer_id} ended while staging")
+                h = self.header(tx, li, tensor, ks, vs)
+                h.remote_addr = st.buf.data_ptr() + off
+                h.remote_device = device_id(st.buf.device)
+                self._seq += 1
+                self.send_msg(kvtransfer_pb2.PairMsg(layer=h))
+                fut.set_result(nbytes)
+            except Exception as e:  # noqa: BLE001 - reported through the transfer
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, TransferError) else TransferError(repr(e)))
+
+    def release_transfer(self, tx: PairSendTransfer) -> None:
+        for off in self._ranges.pop(tx.record.transfer_id, []):
+            self.owner.staging.free(off)
+
+    def close_data_path(self, reason: str, orderly: bool) -> None:
+        if self._stager is not None:
+            self._stager.cancel()
+
+
+class NixlKVSender(PairKVSender):
+    """Prefill side. agent: a nixl agent (default: a real one, created here)."""
+
+    backend = "nixl"
+
+    def __init__(self, local: PairEndpoint, staging_bytes: int = 256 << 20, agent=None, **kw):
+        super().__init__(local, **kw)
+        self.agent = agent if agent is not None else make_agent(f"prefill-{uuid.uuid4().hex[:8]}")
+        buf = torch.empty(staging_bytes, dtype=torch.uint8, device=local.device)
+        self._reg = self.agent.register_memory([buf])  # NOTE: once; the pool lives as long as we do
+        self.staging = _Staging(buf)
+
+    def make_pair(self, channel, address, peer) -> NixlPairClient:
+        return NixlPairClient(channel, address, peer, self.local, self.op_timeout_s,
+                              self.connect_timeout_s, self)
+
+
+def _copy_on_side_stream(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.cuda.stream(torch.cuda.Stream(dst.device)):
+        dst.copy_(src)
+        torch.cuda.current_stream().synchronize()
+
+
+# ---- decode side ------------------------------------------------------------------------
+class InflightGuard:
+    """Counts READs in flight into each request's blocks."""
+
+    def __init__(self):
+        self._n: dict[str, int] = defaultdict(int)
+        self._idle: dict[str, asyncio.Event] = {}
+
+    def enter(self, rid: str) -> None:
+        self._n[rid] += 1
+        self._idle.setdefault(rid, asyncio.Event()).clear()
+
+    def exit(self, rid: str) -> None:
+        self._n[rid] -= 1
+        if self._n[rid] <= 0:
+            self._n.pop(rid, None)
+            ev = self._idle.pop(rid, None)
+            if ev is not None:
+                ev.set()
+
+    async def idle(self, rid: str) -> None:
+        ev = self._idle.get(rid)
+        if ev is not None:
+            await ev.wait()
+
+
+class GuardedSink:
+    """A KVSink whose release waits for the request's in-flight READs (see module NOTE)."""
+
+    def __init__(self, inner, guard: InflightGuard):
+        self.inner = inner
+        self.guard = guard
+
+    async def write_layer(self, request_id, layer_idx, tensor, num_tokens):
+        await self.inner.write_layer(request_id, layer_idx, tensor, num_tokens)
+
+    async def write_scales(self, request_id, k_scales, v_scales):
+        await self.inner.write_scales(request_id, k_scales, v_scales)
+
+    async def release(self, request_id, transfer_id):
+        await self.guard.idle(request_id)
+        await self.inner.release(request_id, transfer_id)
+
+
+class NixlPlane(RecvPlane):
+    """Decode's data side of one nixl pair: READ each layer into the reserved blocks.
+
+    agent: this process's agent, with `kv_caches` registered once (register_kv_caches);
+    block_ids_of(request_id) -> the request's reserved block ids (from the engine)."""
+
+    backend = "nixl"
+
+    def __init__(self, agent, kv_caches: list[torch.Tensor], layout: KVLayout,
+                 block_ids_of: Callable[[str], Awaitable[list[int]]], guard: InflightGuard,
+                 default_timeout_s: float = 30.0):
+        self.agent = agent
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.block_ids_of = block_ids_of
+        self.guard = guard
+        self.timeout_s = default_timeout_s
+        self.peer_name: str | None = None
+        self.peer_mem = "DRAM"
+
+    async def accept(self, hello) -> kvtransfer_pb2.PairAccept:
+        if not hello.nixl_metadata:
+            raise TransferError("nixl hello without agent metadata")
+        self.peer_name = self.agent.add_remote_agent(hello.nixl_metadata)
+        self.peer_mem = mem_type(hello.device or "cpu")
+        if hello.timeout_ms:
+            self.timeout_s = hello.timeout_ms / 1e3
+        return kvtransfer_pb2.PairAccept(nixl_metadata=self.agent.get_agent_metadata())
+
+    async def join(self, hello) -> None:
+        return None
+
+    def post(self, header, request_id: str | None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        if request_id is None:  # refused: nothing to drain, the bytes stay on prefill
+            fut = loop.create_future()
+            fut.set_result(None)
+            return fut
+        self.guard.enter(request_id)  # NOTE: synchronously, before the header is acted on
+        return loop.create_task(self._read(header, request_id))
+
+    async def _read(self, h, rid: str) -> None:
+        try:
+            n = int(h.shape[1])
+            ids = (await self.block_ids_of(rid))[:n]
+            if len(ids) < n:
+                raise TransferError(f"{n} blocks announced, {len(ids)} reserved")
+            cache = self.kv_caches[h.layer_index]
+            bb = block_bytes(self.layout)
+            local = layer_block_descs(cache.data_ptr(), cache.shape[1], bb, ids, device_id(cache.device))
+            remote = layer_block_descs(int(h.remote_addr), n, bb, range(n), int(h.remote_device))
+            local, remote = merge_contiguous(local, remote)
+            await self._transfer(local, remote)
+        finally:
+            self.guard.exit(rid)
+
+    async def _transfer(self, local, remote) -> None:
+        a = self.agent
+        ldesc = a.get_xfer_descs(local, mem_type(self.kv_caches[0].device))
+        rdesc = a.get_xfer_descs(remote, self.peer_mem)
+        handle = a.initialize_xfer("READ", ldesc, rdesc, self.peer_name, b"")
+        try:
+            state = a.transfer(handle)
+            deadline = time.monotonic() + self.timeout_s
+            pause = 20e-6
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError(f"nixl READ not done after {self.timeout_s:.1f}s")
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                state = a.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"nixl READ failed ({state})")
+        finally:
+            a.release_xfer_handle(handle)  # NOTE: also cancels a READ still in flight
+
+    def close(self, reason: str, orderly: bool) -> None:
+        if self.peer_name is not None:
+            try:
+                self.agent.remove_remote_agent(self.peer_name)
+            except Exception:  # noqa: BLE001 - best effort
+                log.debug("remove_remote_agent failed", exc_info=True)
+            self.peer_name = None
+
+
+def register_kv_caches(agent, kv_caches: list[torch.Tensor]):
+    """Decode: register the KV cache tensors once (they never move)."""
+    return agent.register_memory(list(kv_caches))
