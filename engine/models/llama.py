@@ -143,13 +143,15 @@ class CausalLM(torch.nn.Module):
         cos, sin = self.rotary.cos_sin(positions)  # [T, D/2] f32, shared by every layer
         idx = torch.arange(input_ids.shape[0], device=input_ids.device) if input_ids.is_cuda else None
         rope = (cos, sin, idx)
+        hook = getattr(self, "layer_hook", None)  # optional: hook(i) after layer i (KV streaming)
         if self._use_skinny(h):
             # NOTE: h is a fresh tensor (embedding output): the fused path mutates it in place
             for i, layer in enumerate(self.layers):
                 layer.forward_fused(rope, h, kv_caches[i], meta, kv_scales)
+                if hook is not None:
+                    hook(i)
             return self.norm(h)
         residual = None
-        hook = getattr(self, "layer_hook", None)  # optional: hook(i) after layer i (KV streaming)
         for i, layer in enumerate(self.layers):
             h, residual = layer(rope, h, residual, kv_caches[i], meta, kv_scales)
             if hook is not None:
