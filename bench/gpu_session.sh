@@ -16,6 +16,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for s in $steps; do
   t0=$(date +%s)
   case $s in
+    gtests)
+      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_gtests.log" | tail -8 ;;
     ktests)
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels/test_skinny_gemm.py tests/kernels/test_model_skinny.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
