@@ -15,15 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.kv_write import round_to_e4m3
-
-
-@triton.jit
-def _rot_halves(ptr, stride_h, c, s, H, offs_h, offs_r, HALF: tl.constexpr):
-    mask = (offs_h[:, None] < H) & (offs_r[None, :] < HALF)
-    p1 = ptr + offs_h[:, None] * stride_h + offs_r[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * c[None, :] - x2 * s[None, :], x2 * c[None, :] + x1 * s[None, :], mask
+from engine.kernels.rotary import rot_halves
 
 
 @triton.jit
@@ -42,14 +34,14 @@ def _rope_kv_write_kernel(idx_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_
     # q: rotate in place (same rounding as engine.kernels.rotary: fp32 math, one cast)
     offs_hq = tl.arange(0, BLOCK_HQ)
     qp = q_ptr + t * stride_qt
-    q1, q2, qmask = _rot_halves(qp, stride_qh, c, s, HQ, offs_hq, offs_r, HALF)
+    q1, q2, qmask = rot_halves(qp, stride_qh, c, s, HQ, offs_hq, offs_r, HALF)
     qdst = qp + offs_hq[:, None] * stride_qh + offs_r[None, :]
     tl.store(qdst, q1.to(q_ptr.dtype.element_ty), mask=qmask)
     tl.store(qdst + HALF, q2.to(q_ptr.dtype.element_ty), mask=qmask)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         offs_hk = tl.arange(0, BLOCK_HK)
-        k1, k2, kmask = _rot_halves(k_ptr + t * stride_kt, stride_kh, c, s, HK, offs_hk, offs_r, HALF)
+        k1, k2, kmask = rot_halves(k_ptr + t * stride_kt, stride_kh, c, s, HK, offs_hk, offs_r, HALF)
         # k rounds to the activation dtype first, exactly as the unfused rotary kernel's output
         k1 = k1.to(k_ptr.dtype.element_ty)
         k2 = k2.to(k_ptr.dtype.element_ty)

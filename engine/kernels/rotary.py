@@ -14,15 +14,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(ptr, stride_h, c, s, H, offs_h, offs_r, HALF: tl.constexpr):
+def rot_halves(ptr, stride_h, c, s, H, offs_h, offs_r, HALF: tl.constexpr):
+    """Rotated halves (fp32) of heads offs_h at ptr: (x1 c - x2 s, x2 c + x1 s), and the mask."""
     mask = (offs_h[:, None] < H) & (offs_r[None, :] < HALF)
     p1 = ptr + offs_h[:, None] * stride_h + offs_r[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    tl.store(p1, (x1f * c[None, :] - x2f * s[None, :]).to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, (x2f * c[None, :] + x1f * s[None, :]).to(x1.dtype), mask=mask)
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * c[None, :] - x2 * s[None, :], x2 * c[None, :] + x1 * s[None, :], mask
+
+
+@triton.jit
+def _rotate(ptr, stride_h, c, s, H, offs_h, offs_r, HALF: tl.constexpr):
+    r1, r2, mask = rot_halves(ptr, stride_h, c, s, H, offs_h, offs_r, HALF)
+    p1 = ptr + offs_h[:, None] * stride_h + offs_r[None, :]
+    tl.store(p1, r1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, r2.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
