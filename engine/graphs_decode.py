@@ -53,7 +53,6 @@ class DecodeGraphRunner(BucketGraphs):
         d = self.staging.d
         self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
         self.block_tables, self.seq_lens, self.query_start_loc = d.block_tables, d.seq_lens, d.query_start_loc
-        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def static_bytes(self) -> int:
         return self.staging.nbytes
@@ -70,47 +69,43 @@ class DecodeGraphRunner(BucketGraphs):
                             self._meta(b), self.kv_scales)
         return self.model.compute_logits(hidden)
 
+    def _bucket(self, n: int, nblk: int) -> int | None:
+        """The captured bucket for n rows whose block tables need nblk columns, else None
+        (the reason counted)."""
+        b = self.bucket_for(n)
+        if b is None:
+            self._fallback("batch")
+        elif nblk > self.max_blocks:
+            self._fallback("blocks")
+        elif b not in self.graphs:
+            self._fallback("no_graph")
+        else:
+            return b
+        return None
+
     def run_rows(self, rows) -> torch.Tensor | None:
         """Replay for decode rows (runner StepInputs: one token each, all sampled) staged
         straight from the host; returns logits [n, vocab] or None (caller runs eager; counted).
         The logits are a view of the bucket's output: valid until the next replay."""
         n = len(rows)
-        b = self.bucket_for(n)
-        if b is None:
-            self._fallback("batch")
-            return None
         longest = max(r.start + len(r.token_ids) for r in rows)
-        if -(-longest // self.block_size) > self.max_blocks:
-            self._fallback("blocks")
+        b = self._bucket(n, -(-longest // self.block_size))
+        if b is None:
             return None
-        if b not in self.graphs:
-            self._fallback("no_graph")
-            return None
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous upload has read the host mirror
         self.staging.stage(rows, self.block_size, b, b)  # padding: slot -1, seq_len 0
         self.staging.upload(b)
-        if self._uploaded is not None:
-            self._uploaded.record()
         self.graphs[b].replay()
         self.replays += 1
         return self.outputs[b][:n]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
             ) -> torch.Tensor | None:
-        """Replay for a decode-only batch; returns logits [n, vocab] or None (caller runs eager;
-        counted). The logits are a view of the bucket's output: valid until the next replay."""
+        """Replay for a decode-only batch given as device tensors; returns logits [n, vocab] or
+        None (caller runs eager; counted). The logits are a view of the bucket's output."""
         n = input_ids.shape[0]
-        b = self.bucket_for(n)
         nblk = meta.block_tables.shape[1]
+        b = self._bucket(n, nblk)
         if b is None:
-            self._fallback("batch")
-            return None
-        if nblk > self.max_blocks:
-            self._fallback("blocks")
-            return None
-        if b not in self.graphs:
-            self._fallback("no_graph")
             return None
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)

@@ -141,6 +141,8 @@ class PrefillStaging:
             return {n: buf[o:o + int(np.prod(s)) * torch.empty((), dtype=d).element_size()]
                     .view(d).view(s) for n, (o, d, s) in layout.items()}
 
+        # recorded after each upload, waited on before the mirror is rewritten
+        self._uploaded = torch.cuda.Event() if pin else None
         self.d = SimpleNamespace(**views(self.dev))  # device tensors the graphs read
         self.h = SimpleNamespace(**{n: t.numpy() for n, t in views(self.host).items()})
         # the state captured graphs see first: an empty batch (no KV writes, no query rows)
@@ -148,7 +150,10 @@ class PrefillStaging:
         self.dev.copy_(self.host)  # blocking: the mirror is rewritten right after
 
     def stage(self, rows: Sequence[_Row], block_size: int, bucket: int, seqs: int) -> Staged:
-        """Write a batch padded to (bucket tokens, seqs sequences) into the host mirror."""
+        """Write a batch padded to (bucket tokens, seqs sequences) into the host mirror (after
+        the previous upload has read it)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         h, bs = self.h, block_size
         s = len(rows)
         lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, s)
@@ -187,9 +192,11 @@ class PrefillStaging:
     def upload(self, num_seqs: int) -> None:
         """Host mirror -> device, up to the end of block-table row num_seqs - 1.
         NOTE: non_blocking from pinned memory: the host must not rewrite the mirror before
-        this copy ran on the device (PrefillGraphRunner waits on an event)."""
+        this copy ran on the device: stage() waits on the event recorded here."""
         k = self._bt_off + num_seqs * self._row_bytes
         self.dev[:k].copy_(self.host[:k], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
 
 
 class PrefillGraphRunner(BucketGraphs):
@@ -210,8 +217,6 @@ class PrefillGraphRunner(BucketGraphs):
         self.max_blocks = max_blocks_per_seq
         self.staging = PrefillStaging(self.buckets[-1], max_seqs, max_blocks_per_seq, self.device)
         self.logits = torch.zeros((max_seqs, vocab_size), dtype=torch.float32, device=self.device)
-        # recorded after each upload; waited on before the host mirror is rewritten
-        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         self.last: Staged | None = None
 
     def seqs_for(self, bucket: int) -> int:
@@ -247,12 +252,8 @@ class PrefillGraphRunner(BucketGraphs):
 
     def stage(self, rows: Sequence[_Row], bucket: int) -> Staged:
         """Fill the static inputs for `rows` padded to `bucket` (host mirror, then upload)."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous step's upload has read the mirror
         st = self.staging.stage(rows, self.block_size, bucket, self.seqs_for(bucket))
         self.staging.upload(st.num_seqs)
-        if self._uploaded is not None:
-            self._uploaded.record()
         self.last = st
         return st
 
