@@ -10,28 +10,11 @@ import time
 
 import torch
 
+from bench.timing import cuda_time_ms
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.layers.attention import AttentionMetadata
 from engine.runner import StepInput
-
-
-def cuda_time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
-    """Median of per-iteration CUDA-event timings."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

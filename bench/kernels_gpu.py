@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 import time
 
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import git_commit, print_table, write_result  # noqa: E402
+from bench.timing import cuda_time_ms, graph_time_ms  # noqa: E402
 from engine.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from engine.kernels.kv_write import write_kv  # noqa: E402
 from engine.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
@@ -60,18 +60,7 @@ def time_cuda(fn, warmup: int = 5, iters: int = 50) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return cuda_time_ms(fn, iters=iters, warmup=warmup)
 
 
 def time_graph(fn, reps: int = 20, iters: int = 20) -> float | None:
@@ -81,24 +70,10 @@ def time_graph(fn, reps: int = 20, iters: int = 20) -> float | None:
     if DEV == "cpu":
         return None
     try:
-        return _time_graph(fn, reps, iters)
+        return graph_time_ms([fn] * reps, iters=iters)
     except Exception as e:  # capture failed: report eager numbers only
         print(f"WARNING: CUDA-graph timing failed ({type(e).__name__}: {e}); eager only", file=sys.stderr)
         return None
-
-
-def _time_graph(fn, reps: int, iters: int) -> float:
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        fn()  # compile / allocate outside the capture
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return time_cuda(g.replay, warmup=3, iters=iters) / reps
 
 
 def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:

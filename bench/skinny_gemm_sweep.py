@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-
 import torch
 
 from bench.common import print_table, write_result
+from bench.timing import graph_time_ms
 from engine.kernels.rmsnorm import rms_norm
 from engine.kernels.skinny_configs import table_path
 from engine.kernels.skinny_gemm import SkinnyConfig, skinny_linear
@@ -51,31 +50,9 @@ def ops(shape: str):
             ("lm_head", v, h, False, False, False, True)]
 
 
-def graph_time_us(fns, replays: int = 15) -> float:
-    """fns: callables launched in sequence inside one CUDA graph; -> us per callable."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # warm-up / compile outside capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
-    del g
-    return statistics.median(ts)
+def graph_time_us(fns) -> float:
+    """us per callable of one CUDA graph holding `fns` (bench/timing.py)."""
+    return graph_time_ms(fns) * 1e3
 
 
 def read_gbs() -> float:

@@ -1,0 +1,44 @@
+"""GPU timing shared by the benchmarks: CUDA events around each call (host launch cost
+included) and CUDA-graph replay of a captured sequence of calls (launch cost removed)."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def cuda_time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    """Median ms of fn() over `iters` runs, each bracketed by its own CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_time_ms(fns, iters: int = 15, warmup: int = 3) -> float:
+    """Median ms per callable of `fns` (launched in order) captured as ONE CUDA graph and
+    replayed. Each callable runs once on a side stream first: Triton compiles and the caching
+    allocator grows outside the capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    try:
+        return cuda_time_ms(g.replay, iters=iters, warmup=warmup) / len(fns)
+    finally:
+        del g  # the graph's private memory goes back before the next case
