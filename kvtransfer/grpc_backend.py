@@ -23,7 +23,7 @@ from common.grpc_util import channel_options
 from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES
 from kvtransfer.base import KVSender, SendTransfer
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.state import KVLayout, Transfer, TransferError, TransferState
+from kvtransfer.state import KVLayout, SendRecords, Transfer, TransferError, TransferState
 from protos import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger("splitserve.kvtransfer.grpc")
@@ -213,9 +213,8 @@ class GrpcKVSender(KVSender):
         if not (1024 <= chunk_bytes <= 32 * 1024 * 1024):
             raise ValueError(f"chunk_bytes must be in [1 KiB, 32 MiB], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self.keep_records = keep_records
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._records: dict[str, Transfer] = {}
+        self._records = SendRecords(keep_records)
 
     def _stub(self, address: str):
         ch = self._channels.get(address)
@@ -228,12 +227,7 @@ class GrpcKVSender(KVSender):
                    metadata=None, *, peer=None) -> GrpcSendTransfer:
         if not address:
             raise TransferError("no decode address in the transfer ticket")
-        rec = Transfer(transfer_id, request_id)
-        if timeout_s:
-            rec.deadline = rec.created + timeout_s
-        self._records[transfer_id] = rec
-        while len(self._records) > self.keep_records:
-            self._records.pop(next(iter(self._records)))
+        rec = self._records.open(transfer_id, request_id, timeout_s)
         return GrpcSendTransfer(self._stub(address), rec, layout, num_tokens, self.chunk_bytes,
                                 timeout_s, metadata)
 

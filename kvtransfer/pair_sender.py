@@ -20,7 +20,7 @@ from common.grpc_util import channel_options
 from kvtransfer.base import KVSender
 from kvtransfer.endpoint import PairEndpoint
 from kvtransfer.pair_client import PairClient, PairSendTransfer, PairUnavailable, _retrieve
-from kvtransfer.state import Transfer, TransferError
+from kvtransfer.state import SendRecords, Transfer, TransferError
 
 
 class PairKVSender(KVSender):
@@ -35,12 +35,11 @@ class PairKVSender(KVSender):
         self.op_timeout_s = op_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retry_after_s = retry_after_s
-        self.keep_records = keep_records
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._pairs: dict[str, PairClient] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # address -> (retry at, reason)
-        self._records: dict[str, Transfer] = {}
+        self._records = SendRecords(keep_records)
         self.num_pairs_made = 0
 
     @abc.abstractmethod
@@ -105,12 +104,7 @@ class PairKVSender(KVSender):
             if peer is None:
                 raise PairUnavailable(f"no pair endpoint for {address} (decode did not offer {self.backend})")
             pair = await asyncio.shield(self._connect_task(address, peer))
-        rec = Transfer(transfer_id, request_id)
-        if timeout_s:
-            rec.deadline = rec.created + timeout_s
-        self._records[transfer_id] = rec
-        while len(self._records) > self.keep_records:
-            self._records.pop(next(iter(self._records)))
+        rec = self._records.open(transfer_id, request_id, timeout_s)
         return pair.open(rec, layout, num_tokens)
 
     def get(self, transfer_id: str) -> Transfer | None:

@@ -106,3 +106,24 @@ class Transfer:
             return 0.0
         end = self.finished_at if self.finished_at is not None else time.monotonic()
         return end - self.started_at
+
+
+class SendRecords:
+    """A sender's records of its recent transfers (for KVSender.get), oldest dropped past
+    `keep`: bounded memory however many requests a prefill service serves."""
+
+    def __init__(self, keep: int = 1024):
+        self.keep = keep
+        self._by_id: dict[str, Transfer] = {}
+
+    def open(self, transfer_id: str, request_id: str, timeout_s: float | None) -> Transfer:
+        rec = Transfer(transfer_id, request_id)
+        if timeout_s:
+            rec.deadline = rec.created + timeout_s
+        self._by_id[transfer_id] = rec
+        while len(self._by_id) > self.keep:
+            self._by_id.pop(next(iter(self._by_id)))
+        return rec
+
+    def get(self, transfer_id: str) -> Transfer | None:
+        return self._by_id.get(transfer_id)

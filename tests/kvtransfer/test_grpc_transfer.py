@@ -205,3 +205,14 @@ async def test_dead_receiver_fails_sender_quickly():
         await send_blocks(sender, "127.0.0.1:1", "t1", "r1", kv, layout, timeout_s=5)
     assert sender.get("t1").state is TransferState.FAILED
     await sender.close()
+
+
+def test_send_records_are_bounded_and_carry_the_deadline():
+    from kvtransfer.state import SendRecords
+
+    recs = SendRecords(keep=2)
+    a = recs.open("a", "ra", timeout_s=5.0)
+    assert a.deadline == a.created + 5.0 and recs.get("a") is a
+    assert recs.open("b", "rb", None).deadline == float("inf")
+    recs.open("c", "rc", None)
+    assert recs.get("a") is None and recs.get("b") is not None and recs.get("c") is not None
