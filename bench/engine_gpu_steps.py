@@ -6,7 +6,6 @@ KV contents are random: step time does not depend on the values, only on the sha
 """
 from __future__ import annotations
 
-import time
 
 import torch
 

@@ -19,6 +19,7 @@ from kvtransfer.dist_backend import DistKVSender
 from kvtransfer.endpoint import PairEndpoint
 from kvtransfer.loopback import ReceiverProc
 from kvtransfer.pair_client import PairUnavailable
+from tests.kvtransfer._util import random_blocks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,14 +50,7 @@ async def sender():
 
 
 def _blocks(layout: KVLayout, n_blocks: int, seed: int) -> KVBlocks:
-    g = torch.Generator().manual_seed(seed)
-    layers = [torch.randn(layout.layer_shape(n_blocks), generator=g).mul(3).to(layout.torch_dtype)
-              for _ in range(layout.num_layers)]
-    ks = vs = None
-    if layout.dtype == "fp8_e4m3":
-        ks = [0.01 * (i + 1) for i in range(layout.num_layers)]
-        vs = [0.02 * (i + 1) for i in range(layout.num_layers)]
-    return KVBlocks(layout.block_size, n_blocks * layout.block_size - 5, layout.dtype, layers, ks, vs)
+    return random_blocks(layout, n_blocks, seed, short=5)
 
 
 def _assert_landed(rp: ReceiverProc, rid: str, kv: KVBlocks) -> None:

@@ -13,6 +13,7 @@ from common.grpc_util import channel_options, create_server
 from kvtransfer import KVLayout, KVReceiver, TransferError, TransferState, send_blocks
 from kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
 from engine.kv_blocks import KVBlocks
+from tests.kvtransfer._util import random_blocks
 from protos import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,14 +51,7 @@ def _layout(dtype="bf16", layers=3):
 
 
 def _random_blocks(layout: KVLayout, n_blocks: int, seed: int) -> KVBlocks:
-    g = torch.Generator().manual_seed(seed)
-    layers = [torch.randn(layout.layer_shape(n_blocks), generator=g).mul(3).to(layout.torch_dtype)
-              for _ in range(layout.num_layers)]
-    ks = vs = None
-    if layout.dtype == "fp8_e4m3":
-        ks = [0.01 * (i + 1) for i in range(layout.num_layers)]
-        vs = [0.02 * (i + 1) for i in range(layout.num_layers)]
-    return KVBlocks(layout.block_size, n_blocks * layout.block_size - 3, layout.dtype, layers, ks, vs)
+    return random_blocks(layout, n_blocks, seed, short=3)
 
 
 async def _serve(receiver):
