@@ -5,5 +5,8 @@ decode_attention.paged_decode_attention flash-decoding over pages, GQA groups pe
 prefill_attention.paged_prefill_attention varlen causal attention over pages (prefix-aware)
 rmsnorm.rms_norm / fused_add_rms_norm   RMSNorm, residual add fused
 rotary.rotary_neox_                     neox rotary embedding, in place
+rope_kv_write.rope_write_kv             rotary on q + rotated k and v into the cache, one launch
+skinny_gemm.skinny_linear               decode matmul for few rows, norm / silu*up / residual fused;
+                                        tile configs from configs/ (skinny_configs.py) or a heuristic
 Importing a submodule imports triton; this package file imports nothing.
 """

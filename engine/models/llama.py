@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from engine.kernels.common import interpreting  # no triton import: safe on CPU
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScales
 from engine.layers.linear import Linear, MergedLinear
@@ -172,8 +173,6 @@ class CausalLM(torch.nn.Module):
         return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
 
     def _use_skinny(self, x: torch.Tensor) -> bool:
-        from engine.kernels.common import interpreting
-
         return (0 < x.shape[0] <= self.skinny_max_m and (x.is_cuda or interpreting())
                 and x.dtype == self.embed_tokens.dtype)
 
