@@ -45,11 +45,16 @@ def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, a Triton that has gdc_wait, not the
     interpreter."""
     device = torch.device(device)
-    if device.type != "cuda" or interpreting():
+    if device.type != "cuda" or interpreting() or not _gdc_available():
         return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(idx) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _gdc_available() -> bool:
     try:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401
     except ImportError:
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(idx) >= (9, 0)
+    return True

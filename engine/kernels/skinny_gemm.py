@@ -201,6 +201,7 @@ class SkinnyConfig:
         return self.num_stages * self.block_k * elem * (self.block_m(m) + self.block_n * (2 if silu else 1))
 
 
+@functools.lru_cache(maxsize=4096)  # called per matmul launch on the eager path
 def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> SkinnyConfig:
     """The tuned table's config for this GPU and shape (engine/kernels/skinny_configs.py),
     else a heuristic: memory-bound, so aim for several programs per SM (each SM must keep
