@@ -48,19 +48,21 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
                      "floor/graph": round(floor / t.get("graph_ms", float("nan")), 3)})
         print("  ", rows[-1], flush=True)
     # the same step with cuBLAS matmuls + separate norm/activation kernels (skinny path off)
-    skinny_m = eng.runner.model.skinny_max_m
-    print(f"[{shape}] fused skinny-GEMM decode path for batches <= {skinny_m}", flush=True)
+    model = eng.runner.model
+    saved = (model.skinny_max_m, model.skinny_rows)
+    print(f"[{shape}] fused skinny-GEMM decode path for batches <= {saved[0]}"
+          + (f" in {sorted(saved[1])}" if saved[1] is not None else ""), flush=True)
     if not quick:
         # fused skinny-GEMM path vs cuBLAS + separate norm/activation kernels, same graphs
-        for m in (16, 0):
-            eng.runner.model.skinny_max_m = m
-            eng.runner.maybe_capture_graphs(max_ctx + 64, eng.runner.model.attn_backend.name)
-            for b in (1, 2, 4, 8, 16):
+        for m in (64, 0):
+            model.skinny_max_m, model.skinny_rows = m, None
+            eng.runner.maybe_capture_graphs(max_ctx + 64, model.attn_backend.name)
+            for b in (1, 2, 4, 8, 16, 32, 64):
                 t = time_decode(eng, b, 1024, eager=False)
                 rows.append({"shape": shape, "case": f"decode b={b} ctx=1024 " + ("skinny" if m else "cuBLAS"),
                              "graph_ms": round(t["graph_ms"], 3)})
                 print("  ", rows[-1], flush=True)
-        eng.runner.model.skinny_max_m = skinny_m
+        model.skinny_max_m, model.skinny_rows = saved
     for n in (PREFILL_LENS if not quick else [512, 4096]):
         ms = time_prefill(eng, n)
         gms = time_prefill(eng, n, graphs=True)  # nan above the largest prefill graph bucket

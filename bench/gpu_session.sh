@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
-# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|engine|sweep|services ...]
+# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|profile|services ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -28,6 +28,8 @@ for s in $steps; do
       timeout 150 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
     sweep)
       timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
+    profile)
+      timeout 200 python3 -m bench.step_profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -120 ;;
     services)
       SPLITSERVE_TEST_DEVICE=cuda:0 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/services ${SERVICE_TEST_ARGS:-} 2>&1 | tee "$OUT/services.log" | tail -25 ;;

@@ -1,8 +1,8 @@
 """Skinny decode GEMM sweep on one GPU: the exact fused matmuls of a decode step (norm+qkv,
 o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
-Llama-3.1-8B shapes, every candidate tile config vs cuBLAS, M = 1..16 rows.
+Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,2,4,8,16] [--write-table]
+    python -m bench.skinny_gemm_sweep [--m 1,4,16,32,64] [--shapes ...] [--write-table]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
 copies to defeat the L2 (>= 512 MB per case); replayed, CUDA events, median / R.
@@ -11,8 +11,9 @@ cuBLAS baseline: the unfused ops the fused kernel replaces (our Triton rmsnorm w
 kernel fuses a norm, F.linear, silu*mul where it fuses silu, the residual add).
 Ceiling measured in the same run: a pure read (sum over 1 GiB).
 --write-table writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.json (the
-engine's tuned table, engine/kernels/skinny_configs.py) with max_m = the largest M whose
-fused step total beats cuBLAS's on every shape.
+engine's tuned table, engine/kernels/skinny_configs.py) with fused_m = the tuned M whose
+fused step total beats cuBLAS's on every shape (the engine uses the fused path for a batch
+whose tuned bucket, the smallest tuned M >= its rows, is in fused_m).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import torch
+import triton
 
 from bench.common import print_table, write_result
 from bench.timing import graph_time_ms
@@ -61,27 +63,41 @@ def read_gbs() -> float:
     return x.numel() * 2 / us / 1e3
 
 
-def candidates(m: int, silu: bool) -> list[SkinnyConfig]:
+def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyConfig]:
+    """FMA tiles for a few rows; tensor-core tiles with split-K chosen so that N tiles x
+    splits reaches one and two programs per SM; x prefetch variants where a norm is fused."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     if m <= 8:
         fma = {1: [(2, 1024, 8), (4, 1024, 8), (8, 1024, 8), (4, 512, 4), (8, 512, 4), (4, 2048, 8)],
                2: [(2, 1024, 8), (4, 512, 8), (4, 1024, 8), (8, 512, 8)],
                4: [(2, 512, 8), (4, 256, 8), (4, 512, 8), (2, 256, 4)],
-               8: [(2, 256, 8), (4, 128, 8), (2, 128, 4), (4, 256, 8)]}[m]
+               8: [(2, 256, 8), (4, 128, 8), (2, 128, 4), (4, 256, 8)]}[triton.next_power_of_2(m)]
         for bn, bk, w in fma:
             for st in ((1, 3) if m == 1 else (1,)):
                 out.append(SkinnyConfig(bn, bk, w, st, False))
-    for bn in (16, 32, 64):
+        for bn, bk, w in fma[:2]:
+            out.append(SkinnyConfig(bn, bk, w, 1, False, 1, True))
+    for bn in (32, 64):
+        tiles = -(-n // bn)
+        s1 = 1
+        while tiles * s1 < sms and s1 < 16:
+            s1 *= 2
         for bk in (128, 256):
-            for st in (3, 5):
-                c = SkinnyConfig(bn, bk, 4, st, True)
-                if c.smem_bytes(m, silu) <= SMEM_LIMIT:
-                    out.append(c)
+            for split in sorted({1, s1, 2 * s1}):
+                if -(-k // bk) < 2 * split:  # at least 2 K chunks per split
+                    continue
+                variants = [(3, False), (4, False)] + ([(3, True)] if norm else [])
+                for st, px in variants:
+                    c = SkinnyConfig(bn, bk, 4, st, True, split, px)
+                    if c.smem_bytes(m, silu) <= SMEM_LIMIT:
+                        out.append(c)
     return out
 
 
 def cfg_name(c: SkinnyConfig) -> str:
-    return f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+    return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+            + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" px" if c.prefetch_x else ""))
 
 
 def bench_op(shape, op, m, log_rows):
@@ -111,7 +127,7 @@ def bench_op(shape, op, m, log_rows):
 
     want = unfused(ws[0]).float()
     results = {}
-    for c in candidates(m, silu):
+    for c in candidates(m, n, k, norm, silu):
         try:
             r0 = res.clone() if resid else None
             got = skinny_linear(x, ws[0], norm_weight=g, eps=1e-5, silu=silu, residual=r0,
@@ -146,18 +162,18 @@ def bench_op(shape, op, m, log_rows):
 
 def write_table(rows: list[dict], ms: list[int]) -> str:
     name = torch.cuda.get_device_name()
-    # max_m: largest M (prefix of ms) whose fused per-step total beats cuBLAS on every shape
-    max_m = 0
+    # fused_m: the tuned M whose fused per-step total beats cuBLAS's on every shape swept
+    fused_m = []
     for m in ms:
         wins = True
         for shape in {r["shape"] for r in rows}:
             sel = [r for r in rows if r["shape"] == shape and r["M"] == m]
             if not sel or step_us(sel, "best_us") >= step_us(sel, "cublas_us"):
                 wins = False
-        if not wins:
-            break
-        max_m = m
-    doc = {"device": name, "max_m": max_m, "source": "bench/skinny_gemm_sweep.py",
+        if wins:
+            fused_m.append(m)
+    max_m = max(fused_m, default=0)
+    doc = {"device": name, "max_m": max_m, "fused_m": fused_m, "tuned_m": ms, "source": "bench/skinny_gemm_sweep.py",
            "entries": [{"n": r["N"], "k": r["K"],
                         "silu": "silu" in r["op"], "m": r["M"], "cfg": r["best"],
                         "us": r["best_us"], "cublas_us": r["cublas_us"]} for r in rows]}
@@ -174,7 +190,7 @@ def write_table(rows: list[dict], ms: list[int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="1,2,4,8,16")
+    ap.add_argument("--m", default="1,4,16,32,64")
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--write-table", action="store_true")
     a = ap.parse_args()

@@ -74,20 +74,28 @@ class ModelRunner:
         self.step_times: list[float] = []
         self.graphs = None  # DecodeGraphRunner once captured
         self.prefill_graphs = None  # PrefillGraphRunner once captured
-        model.skinny_max_m = self._skinny_max_m()
+        model.skinny_max_m, model.skinny_rows = self._skinny_batches()
 
-    def _skinny_max_m(self) -> int:
+    def _skinny_batches(self) -> tuple[int, frozenset[int] | None]:
+        """(max rows, the row counts <= max that take the fused path or None for all)."""
         want = self.cfg.device.skinny_gemm_max_batch
         if self.device.type != "cuda" or want == 0:
-            return 0
+            return 0, None
         try:
-            from engine.kernels.skinny_gemm import tuned_max_m
+            from engine.kernels.skinny_gemm import tuned_max_m, tuned_rows
         except ImportError:  # no triton: cuBLAS everywhere
             log.warning("skinny GEMM kernels unavailable (triton import failed): decode uses cuBLAS")
-            return 0
-        m = tuned_max_m(self.device) if want is None else want
-        log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", m)
-        return m
+            return 0, None
+        if want is not None:
+            log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", want)
+            return want, None
+        m, rows = tuned_max_m(self.device), tuned_rows(self.device)
+        if rows is None:
+            log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", m)
+        else:
+            log.info("decode matmuls: fused skinny-GEMM kernels for batches %s (tuned), cuBLAS otherwise",
+                     _ranges(sorted(rows)))
+        return m, rows
 
     # ---- KV cache -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -246,3 +254,15 @@ class ModelRunner:
 
     def sampling_batch(self, reqs) -> SamplingBatch:
         return SamplingBatch.from_requests(reqs, self.arch.vocab_size, self.device)
+
+
+def _ranges(xs: list[int]) -> str:
+    """[1, 2, 3, 9, 10] -> '1-3,9-10'."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out) or "none"

@@ -3,9 +3,15 @@
 At decode batch sizes the matmuls are weight-streaming problems: every weight byte is read
 once per step and the arithmetic is nearly free, so the kernel's only job is to keep enough
 bytes in flight to run at the memory roofline. cuBLAS reaches ~82% of the copy rate at M=1
-on an H200 (measured 2026-12-02); this kernel tiles over N only (no split-K: every output
-element is owned by one program, which keeps the epilogues below exact) with a K loop whose
-loads the compiler pipelines.
+on an H200 (measured 2026-12-02); this kernel tiles over N with a K loop whose loads the
+compiler pipelines, and optionally splits K (SPLIT_K programs per N tile) when N / BLOCK_N
+alone cannot fill the GPU (the tensor-core path needs BLOCK_N >= 16, so a 4096-wide output
+has only 64-256 tiles). Split-K is deterministic: each split writes its fp32 partial sums
+(and its partial sum of squares for NORM) to a workspace, then bumps the tile's arrival
+counter; the LAST program to arrive sums the partials in split order 0..S-1 (whatever the
+arrival order) and runs the epilogues, then resets the counter to 0 for the next launch.
+So the result does not depend on scheduling (graph replay == eager, bit for bit) and the
+epilogues below stay exact.
 
 Fused prologue / epilogues (each optional), so one decoder layer needs 4 matmul launches
 and no separate norm / activation / residual kernels:
@@ -75,15 +81,18 @@ def _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU: tl.constexpr, EVEN_K: tl.co
 
 
 @triton.jit
-def _mac(acc, acc_u, ssq2, w, wu, x_rows, nw_ptr, offs_k, m_mask, K, NORM: tl.constexpr,
+def _load_x(x_rows, offs_k, m_mask, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+    return tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k, K, NORM: tl.constexpr,
          SILU: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
          UPCAST: tl.constexpr):
-    """One K chunk: load x [BLOCK_M, BLOCK_K] (scaled by the norm weight with NORM) and
-    accumulate x . w^T (and x . wu^T)."""
-    if EVEN_K:
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-    else:
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    """One K chunk: x [BLOCK_M, BLOCK_K] (scaled by the norm weight with NORM); accumulate
+    x . w^T (and x . wu^T)."""
     xf = x.to(tl.float32)
     if NORM:
         # NOTE: elementwise; reduced once after the K loop (a per-chunk tl.sum is a CTA-wide
@@ -113,9 +122,36 @@ def _mac(acc, acc_u, ssq2, w, wu, x_rows, nw_ptr, offs_k, m_mask, K, NORM: tl.co
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr,
-                        M, N, K, up_off, stride_xm, stride_wn, stride_om, stride_rm, eps,
+def _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bias_ptr, K,
+              stride_om, stride_rm, eps, x_dtype: tl.constexpr, NORM: tl.constexpr,
+              SILU: tl.constexpr, RESID: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y, y_u [BLOCK_M, BLOCK_N] fp32 full dot products; ssq [BLOCK_M] sum of x^2 over K."""
+    if NORM:
+        rstd = tl.rsqrt(ssq / K + eps)
+        y = y * rstd[:, None]
+        y_u = y_u * rstd[:, None]
+    if HAS_BIAS:
+        y = (y + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :])
+    if SILU:  # HF rounds each op's output to the activation dtype
+        gate = y.to(x_dtype).to(tl.float32)
+        up = y_u.to(x_dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_dtype).to(tl.float32)
+        y = act * up
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if RESID:
+        r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
+                    mask=out_mask, other=0.0)
+        y = y.to(x_dtype).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr, ssq_ws_ptr,
+                        lock_ptr, M, N, K, K_PER, up_off, stride_xm, stride_wn, stride_om,
+                        stride_rm, eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, PREFETCH_X: tl.constexpr,
                         NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
                         HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                         EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -124,11 +160,14 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr,
         # let the next kernel (launched with PDL) start its own weight prefetch now
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * K_PER  # K_PER: a multiple of BLOCK_K; every split has >= 1 chunk
+    k_end = tl.minimum(K, k_start + K_PER)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    offs_k0 = tl.arange(0, BLOCK_K)
+    offs_k0 = k_start + tl.arange(0, BLOCK_K)
     # NOTE: int64 row offsets: lm_head is 128k x 4k elements (> 2^31 bytes)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     u_rows = w_rows + up_off.to(tl.int64) * stride_wn  # only read when SILU
@@ -148,38 +187,76 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr,
     w, wu = _load_w(w_rows, u_rows, offs_k0, n_mask, K, SILU, EVEN_K, EVEN_N)
     if PDL:
         gdc_wait()
-    acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x_rows, nw_ptr, offs_k0, m_mask, K,
-                            NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        offs_k = k0 + offs_k0
-        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU, EVEN_K, EVEN_N)
-        acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x_rows, nw_ptr, offs_k, m_mask, K,
+    x = _load_x(x_rows, offs_k0, m_mask, K, EVEN_K)
+    if PREFETCH_X:
+        # register double buffering: chunk i+1's weights and x are requested before chunk
+        # i's math (with NORM the x tile goes through registers (ssq, * g), so an
+        # unprefetched x load puts its L2 latency on every iteration of the K loop)
+        offs_cur = offs_k0
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w_next, wu_next = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU, EVEN_K, EVEN_N)
+            x_next = _load_x(x_rows, offs_k, m_mask, K, EVEN_K)
+            acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_cur, K,
+                                    NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
+            w = w_next
+            wu = wu_next
+            x = x_next
+            offs_cur = offs_k
+        acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_cur, K,
                                 NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
+    else:
+        acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k0, K,
+                                NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU, EVEN_K, EVEN_N)
+            x = _load_x(x_rows, offs_k, m_mask, K, EVEN_K)
+            acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k, K,
+                                    NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
     if USE_DOT:
         y = acc
         y_u = acc_u
     else:
         y = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_N]
         y_u = tl.sum(acc_u, 2)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(ssq2, 1) / K + eps)
-        y = y * rstd[:, None]
-        y_u = y_u * rstd[:, None]
-    adt = x_ptr.dtype.element_ty  # activation dtype: HF rounds each op's output to it
-    if HAS_BIAS:
-        y = (y + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :])
-    if SILU:
-        gate = y.to(adt).to(tl.float32)
-        up = y_u.to(adt).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(adt).to(tl.float32)
-        y = act * up
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if RESID:
-        r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
-                    mask=out_mask, other=0.0)
-        y = y.to(adt).to(tl.float32) + r.to(tl.float32)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    ssq = tl.sum(ssq2, 1)
+    adt: tl.constexpr = x_ptr.dtype.element_ty
+    if SPLIT_K == 1:
+        _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bias_ptr, K,
+                  stride_om, stride_rm, eps, adt, NORM, SILU, RESID, HAS_BIAS)
+    else:
+        # workspace [SPLIT_K, (2 with SILU,) BLOCK_M, N] fp32; ssq workspace
+        # [n_tiles, SPLIT_K, BLOCK_M]
+        NH: tl.constexpr = 2 if SILU else 1
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        part = ws_ptr + pid_k.to(tl.int64) * (NH * BLOCK_M) * N + tile
+        st_mask = n_mask[None, :] & (offs_m < BLOCK_M)[:, None]
+        tl.store(part, y, mask=st_mask)
+        if SILU:
+            tl.store(part + BLOCK_M * N, y_u, mask=st_mask)
+        ssq_row = ssq_ws_ptr + pid * (SPLIT_K * BLOCK_M) + offs_m
+        if NORM:
+            tl.store(ssq_row + pid_k * BLOCK_M, ssq)
+        # every thread's partial stores are ordered before the (single-thread) gpu-scope
+        # release of the arrival count; the last arriver acquires, so it sees all partials
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.store(lock_ptr + pid, 0)  # ready for the next launch (graph replays included)
+            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            y_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            ssq = tl.zeros([BLOCK_M], tl.float32)
+            for s in range(SPLIT_K):  # fixed order: deterministic whatever the arrival order
+                ps = ws_ptr + s * (NH * BLOCK_M) * N + tile
+                # .cg: straight from L2 (other SMs wrote these; L1 is not coherent)
+                y += tl.load(ps, mask=st_mask, other=0.0, cache_modifier=".cg")
+                if SILU:
+                    y_u += tl.load(ps + BLOCK_M * N, mask=st_mask, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    ssq += tl.load(ssq_row + s * BLOCK_M, cache_modifier=".cg")
+            _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bias_ptr,
+                      K, stride_om, stride_rm, eps, adt, NORM, SILU, RESID, HAS_BIAS)
 
 
 @dataclass(frozen=True)
@@ -189,6 +266,15 @@ class SkinnyConfig:
     num_warps: int
     num_stages: int
     use_dot: bool
+    split_k: int = 1  # programs per N tile along K (deterministic last-arriver reduction)
+    prefetch_x: bool = False  # register double buffering of the next K chunk
+
+    def k_split(self, k: int) -> tuple[int, int]:
+        """(splits, K per split): K per split is a multiple of block_k and no split is empty."""
+        chunks = triton.cdiv(k, self.block_k)
+        s = max(1, min(self.split_k, chunks))
+        per = triton.cdiv(chunks, s) * self.block_k
+        return triton.cdiv(k, per), per
 
     def block_m(self, m: int) -> int:
         p = triton.next_power_of_2(m)
@@ -220,7 +306,11 @@ def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = Fa
         block_n = 64
         while block_n > 16 and triton.cdiv(n, block_n) < 4 * sms:
             block_n //= 2
-        return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, use_dot=True)
+        split = 1  # too few N tiles to fill the GPU: split K (>= 2 chunks per split)
+        while triton.cdiv(n, block_n) * split < sms and triton.cdiv(k, block_k) >= 4 * split:
+            split *= 2
+        return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, use_dot=True,
+                            split_k=split)
     # FMA: accumulator registers ~ BLOCK_M * BLOCK_N * BLOCK_K / threads (x2 with silu)
     block_k = min(1024 // triton.next_power_of_2(m), max(16, triton.next_power_of_2(k)))
     block_n = 8
@@ -229,6 +319,26 @@ def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = Fa
     if silu:
         block_n = max(2, block_n // 2)
     return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=8, num_stages=1, use_dot=False)
+
+
+# Split-K arrival counters, one int32 per N tile, per device. The last arriver resets its
+# counter, so the buffer stays all-zero between launches and is shared by every split-K
+# launch on the device. NOTE: this assumes split-K launches on one device do not run
+# concurrently (true for the engine: one stream per process; PDL dependents only touch the
+# counters after their grid-dependency wait, i.e. after the previous launch completed).
+_LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _locks(device: torch.device, n_tiles: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < n_tiles:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_linear: split-K counters must be allocated before CUDA-graph "
+                               "capture (run the batch once eagerly first, as the graph warm-up does)")
+        buf = torch.zeros(max(n_tiles, 16384), dtype=torch.int32, device=device)
+        _LOCKS[key] = buf
+    return buf
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,6 +354,15 @@ def tuned_max_m(device: torch.device) -> int:
     device = torch.device(device)
     m = _t(_device_name(device)) if device.type == "cuda" else None
     return DEFAULT_MAX_M if m is None else int(m)
+
+
+def tuned_rows(device: torch.device) -> frozenset[int] | None:
+    """Batch row counts (<= tuned_max_m) where the tuned table says the fused kernels win
+    over a whole step; None: every batch up to tuned_max_m."""
+    from engine.kernels.skinny_configs import fused_rows
+
+    device = torch.device(device)
+    return fused_rows(_device_name(device)) if device.type == "cuda" else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -284,13 +403,22 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if pdl is None:
         pdl = pdl_supported(x.device)
     launch = {"launch_pdl": True} if pdl else {}
-    grid = (triton.cdiv(N, cfg.block_n),)
-    _skinny_gemm_kernel[grid](
+    n_tiles = triton.cdiv(N, cfg.block_n)
+    splits, k_per = cfg.k_split(K)
+    if splits > 1:
+        ws = torch.empty((splits, 2 if silu else 1, bm, N), dtype=torch.float32, device=x.device)
+        ssq_ws = (torch.empty((n_tiles, splits, bm), dtype=torch.float32, device=x.device)
+                  if norm_weight is not None else ws)
+        locks = _locks(x.device, n_tiles)
+    else:
+        ws = ssq_ws = locks = out
+    _skinny_gemm_kernel[(n_tiles, splits)](
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,
-        M, N, K, N, x.stride(0), weight.stride(0), out.stride(0),
+        ws, ssq_ws, locks, M, N, K, k_per, N, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), float(eps),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
+        PREFETCH_X=cfg.prefetch_x,
         NORM=norm_weight is not None, SILU=silu, RESID=residual is not None,
         HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0,

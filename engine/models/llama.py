@@ -130,8 +130,10 @@ class CausalLM(torch.nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
         # Batches of <= skinny_max_m tokens take the fused skinny-GEMM path on CUDA (set by
-        # the runner from DeviceConfig.skinny_gemm_max_batch; 0 = never).
+        # the runner from DeviceConfig.skinny_gemm_max_batch; 0 = never), restricted to
+        # skinny_rows when set (the tuned table's winning batch sizes).
         self.skinny_max_m = 0
+        self.skinny_rows: frozenset[int] | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -173,7 +175,9 @@ class CausalLM(torch.nn.Module):
         return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
 
     def _use_skinny(self, x: torch.Tensor) -> bool:
-        return (0 < x.shape[0] <= self.skinny_max_m and (x.is_cuda or interpreting())
+        n = x.shape[0]
+        return (0 < n <= self.skinny_max_m and (self.skinny_rows is None or n in self.skinny_rows)
+                and (x.is_cuda or interpreting())
                 and x.dtype == self.embed_tokens.dtype)
 
     # ---- weights ----------------------------------------------------------------------
