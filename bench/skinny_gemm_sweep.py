@@ -2,7 +2,7 @@
 o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
 Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,4,16,32,64] [--shapes ...] [--write-table]
+    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--write-table]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
 copies to defeat the L2 (>= 512 MB per case); replayed, CUDA events, median / R.
@@ -69,7 +69,7 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     if m <= 8:
-        fma = {1: [(2, 1024, 8), (4, 1024, 8), (8, 1024, 8), (4, 512, 4), (8, 512, 4), (4, 2048, 8)],
+        fma = {1: [(4, 1024, 8), (4, 512, 4), (8, 512, 4), (8, 1024, 8), (2, 1024, 8)],
                2: [(2, 1024, 8), (4, 512, 8), (4, 1024, 8), (8, 512, 8)],
                4: [(2, 512, 8), (4, 256, 8), (4, 512, 8), (2, 256, 4)],
                8: [(2, 256, 8), (4, 128, 8), (2, 128, 4), (4, 256, 8)]}[triton.next_power_of_2(m)]
@@ -78,6 +78,9 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
                 out.append(SkinnyConfig(bn, bk, w, st, False))
         for bn, bk, w in fma[:2]:
             out.append(SkinnyConfig(bn, bk, w, 1, False, 1, True))
+        if m == 1:  # the dot path still wins lm_head and down at one row
+            return out + [SkinnyConfig(64, 128, 4, st, True) for st in (3, 4)] + [
+                SkinnyConfig(64, 256, 4, 3, True, sk) for sk in (2, 4)]
     for bn in (32, 64):
         tiles = -(-n // bn)
         s1 = 1
@@ -87,9 +90,12 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
             for split in sorted({1, s1, 2 * s1}):
                 if -(-k // bk) < 2 * split:  # at least 2 K chunks per split
                     continue
-                variants = [(3, False), (4, False)] + ([(3, True)] if norm else [])
-                for st, px in variants:
-                    c = SkinnyConfig(bn, bk, 4, st, True, split, px)
+                variants = [(3, False, False), (4, False, False)]
+                if norm:
+                    variants += [(3, True, False)] if m <= 32 else []
+                    variants += [(3, False, True)] if m >= 16 else []
+                for st, px, sep in variants:
+                    c = SkinnyConfig(bn, bk, 4, st, True, split, px, sep)
                     if c.smem_bytes(m, silu) <= SMEM_LIMIT:
                         out.append(c)
     return out
@@ -97,7 +103,8 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
 
 def cfg_name(c: SkinnyConfig) -> str:
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
-            + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" px" if c.prefetch_x else ""))
+            + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" px" if c.prefetch_x else "")
+            + (" norm-sep" if c.norm_separate else ""))
 
 
 def bench_op(shape, op, m, log_rows):
@@ -190,7 +197,7 @@ def write_table(rows: list[dict], ms: list[int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="1,4,16,32,64")
+    ap.add_argument("--m", default="1,16,64")
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--write-table", action="store_true")
     a = ap.parse_args()

@@ -31,7 +31,7 @@ def kind_of(name: str) -> str:
 
 @torch.inference_mode()
 def profile_case(shape: str, batch: int, ctx: int, steps: int = 20) -> list[dict]:
-    eng = make_engine(shape, batch, ctx, eager=False)
+    eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8)
     r = eng.runner
     ids, _, meta = decode_inputs(eng, batch, ctx)
     bt = meta.block_tables.tolist()

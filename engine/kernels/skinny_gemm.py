@@ -23,6 +23,9 @@ and no separate norm / activation / residual kernels:
          every element is read and written by the same program).
   BIAS:  y += bias[n] before the epilogues above.
 
+At 32+ rows the tuned table may run NORM as a separate rmsnorm kernel instead
+(SkinnyConfig.norm_separate; HF's own rounding: normed x rounded to the activation dtype).
+
 Two inner products: USE_DOT (tensor cores, x padded to BLOCK_M >= 16 rows; the weight tile
 goes through shared memory with cp.async / TMA pipelining) and the FMA path for a few rows
 (weight tile straight to registers, fp32 products into a [BLOCK_M, BLOCK_N, BLOCK_K]
@@ -268,6 +271,10 @@ class SkinnyConfig:
     use_dot: bool
     split_k: int = 1  # programs per N tile along K (deterministic last-arriver reduction)
     prefetch_x: bool = False  # register double buffering of the next K chunk
+    # NORM as a separate rmsnorm kernel before the GEMM: at 32+ rows the fused prologue's
+    # per-chunk register work (x^2 sums, * g, the x tile through registers into the dot)
+    # costs more than one extra launch
+    norm_separate: bool = False
 
     def k_split(self, k: int) -> tuple[int, int]:
         """(splits, K per split): K per split is a multiple of block_k and no split is empty."""
@@ -398,6 +405,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0:
         return out
     cfg = config or default_config(M, N, K, x.device, silu)
+    if norm_weight is not None and cfg.norm_separate:
+        from engine.kernels.rmsnorm import rms_norm
+
+        x, norm_weight = rms_norm(x, norm_weight, eps), None
     bm = cfg.block_m(M)
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
     if pdl is None:

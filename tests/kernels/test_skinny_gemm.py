@@ -197,3 +197,16 @@ def test_shipped_tables_are_valid():
             c = SkinnyConfig(*e["cfg"])
             assert c.block_n & (c.block_n - 1) == 0 and c.block_k & (c.block_k - 1) == 0
             assert e["k"] % c.block_k == 0 and c.num_warps in (1, 2, 4, 8) and c.split_k >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_separate_matches_hf_sequence(dtype, device):
+    """norm_separate: rmsnorm kernel (rounded like HF) then the GEMM, with split-K."""
+    m, n, k = 3, 40, 96
+    x, w, nw, _, _ = _data(m, n, k, dtype, device, seed=21, silu=True)
+    cfg = SkinnyConfig(16, 16, 4, 1, True, split_k=2, norm_separate=True)
+    got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=cfg)
+    h = rms_norm_ref(x, nw, 1e-5)
+    gu = (h.float() @ w.float().T).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+    assert _rel(got, want) < (1e-4 if dtype == torch.float32 else 3e-2)
