@@ -22,9 +22,9 @@ import triton.language as tl
 from engine.kernels.common import dot_precision, num_sms, pdl_supported, upcast_dots
 
 try:  # programmatic dependent launch trigger (Hopper+); absent in old Triton releases
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - depends on the Triton release
-    gdc_launch_dependents = None
+    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = 1.4426950408889634
 
@@ -50,10 +50,13 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                          PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    if PDL and DIRECT:
-        # the next kernel (o_proj, launched with PDL) may start prefetching its weights;
-        # it waits for this grid's completion before reading the attention output
+    if PDL:
+        # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
+        # write) ends, so its launch latency is hidden; nothing is read before the wait.
+        # The next kernel (o_proj or the reduce pass, launched with PDL) may start now; it
+        # waits for this grid's completion before reading the attention output.
         gdc_launch_dependents()
+        gdc_wait()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,6 +138,7 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
                           PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()  # see _decode_split_kernel
+        gdc_wait()
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = s.to(tl.int64) * tl.num_programs(1) + h
@@ -203,6 +207,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     ks = k_scale if is_fp8 else seq_lens
     vs = v_scale if is_fp8 else seq_lens
     pdl = pdl_supported(q.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(S, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
@@ -210,9 +215,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=4)
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=4, **launch)
     return out

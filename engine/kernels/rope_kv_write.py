@@ -14,8 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.common import pdl_supported
 from engine.kernels.kv_write import round_to_e4m3
 from engine.kernels.rotary import rot_halves
+
+try:  # programmatic dependent launch (Hopper+); absent in old Triton releases
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the Triton release
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
@@ -24,7 +30,12 @@ def _rope_kv_write_kernel(idx_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_
                           stride_vt, stride_vh, stride_cos, stride_c_kv, stride_c_slot, stride_c_h,
                           HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
-                          IS_FP8: tl.constexpr):
+                          IS_FP8: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # launched early (PDL) so its launch latency hides under the qkv GEMM's tail; the
+        # attention kernel after it may launch early too. Nothing is read before the wait.
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(idx_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
@@ -90,10 +101,11 @@ def rope_write_kv(token_index: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         return
     ks = k_scale if is_fp8 else cos
     vs = v_scale if is_fp8 else cos
+    pdl = pdl_supported(q.device)
     _rope_kv_write_kernel[(T,)](
         token_index, q, k, v, cos, sin, kv_cache, slot_mapping, ks, vs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         HQ=HQ, HK=HK, HALF=half, BLOCK_HQ=triton.next_power_of_2(HQ),
         BLOCK_HK=triton.next_power_of_2(HK), BLOCK_R=triton.next_power_of_2(half),
-        IS_FP8=is_fp8, num_warps=4)
+        IS_FP8=is_fp8, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
