@@ -20,6 +20,7 @@ from bench.common import print_table, write_result
 from bench.engine_gpu_steps import (copy_bandwidth_gbs, gemm_tflops, hf_decode_ms,
                                     hf_generate_ms_per_token, kv_bytes_per_token, make_engine,
                                     model_flops_per_token, time_decode, time_prefill, weight_bytes)
+from engine.runner import format_ranges
 
 DECODE_CASES = [(1, 1024), (8, 1024), (32, 1024), (64, 1024), (128, 1024),
                 (1, 4096), (8, 4096), (32, 4096), (64, 4096), (128, 4096), (64, 2048)]
@@ -51,7 +52,7 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
     model = eng.runner.model
     saved = (model.skinny_max_m, model.skinny_rows)
     print(f"[{shape}] fused skinny-GEMM decode path for batches <= {saved[0]}"
-          + (f" in {sorted(saved[1])}" if saved[1] is not None else ""), flush=True)
+          + (f" in {format_ranges(sorted(saved[1]))}" if saved[1] is not None else ""), flush=True)
     if max_batch >= 64:
         # fused skinny-GEMM path vs cuBLAS + separate norm/activation kernels, same graphs
         for m in (64, 0):

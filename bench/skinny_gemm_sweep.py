@@ -12,7 +12,7 @@ kernel fuses a norm, F.linear, silu*mul where it fuses silu, the residual add).
 Ceiling measured in the same run: a pure read (sum over 1 GiB).
 --write-table writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.json (the
 engine's tuned table, engine/kernels/skinny_configs.py) with fused_m = the tuned M whose
-fused step total beats cuBLAS's on every shape (the engine uses the fused path for a batch
+fused step total beats cuBLAS's on every shape (with a 5% margin; the engine uses the fused path for a batch
 whose tuned bucket, the smallest tuned M >= its rows, is in fused_m).
 """
 from __future__ import annotations
@@ -40,6 +40,10 @@ def step_us(rows: list[dict], key: str) -> float:
     """Matmul time of a whole decode step: the 4 per-layer ops x layers + lm_head."""
     return sum(r[key] * (1 if r["op"] == "lm_head" else LAYERS[r["shape"]]) for r in rows)
 SMEM_LIMIT = 200 * 1024
+# The fused path must beat cuBLAS's matmul total by this factor to be chosen: inside a real
+# step (attention between the matmuls, PDL overlap, rmsnorm launches with norm_separate) a
+# 3% matmul win at 64 rows turned into a 5% step loss on the H200 (bench/engine_gpu.py).
+FUSED_MARGIN = 1.05
 
 
 def ops(shape: str):
@@ -175,12 +179,12 @@ def write_table(rows: list[dict], ms: list[int]) -> str:
         wins = True
         for shape in {r["shape"] for r in rows}:
             sel = [r for r in rows if r["shape"] == shape and r["M"] == m]
-            if not sel or step_us(sel, "best_us") >= step_us(sel, "cublas_us"):
+            if not sel or step_us(sel, "best_us") * FUSED_MARGIN > step_us(sel, "cublas_us"):
                 wins = False
         if wins:
             fused_m.append(m)
     max_m = max(fused_m, default=0)
-    doc = {"device": name, "max_m": max_m, "fused_m": fused_m, "tuned_m": ms, "source": "bench/skinny_gemm_sweep.py",
+    doc = {"device": name, "max_m": max_m, "fused_m": fused_m, "fused_margin": FUSED_MARGIN, "tuned_m": ms, "source": "bench/skinny_gemm_sweep.py",
            "entries": [{"n": r["N"], "k": r["K"],
                         "silu": "silu" in r["op"], "m": r["M"], "cfg": r["best"],
                         "us": r["best_us"], "cublas_us": r["cublas_us"]} for r in rows]}

@@ -94,7 +94,7 @@ class ModelRunner:
             log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", m)
         else:
             log.info("decode matmuls: fused skinny-GEMM kernels for batches %s (tuned), cuBLAS otherwise",
-                     _ranges(sorted(rows)))
+                     format_ranges(sorted(rows)))
         return m, rows
 
     # ---- KV cache -------------------------------------------------------------------
@@ -256,7 +256,7 @@ class ModelRunner:
         return SamplingBatch.from_requests(reqs, self.arch.vocab_size, self.device)
 
 
-def _ranges(xs: list[int]) -> str:
+def format_ranges(xs: list[int]) -> str:
     """[1, 2, 3, 9, 10] -> '1-3,9-10'."""
     out, i = [], 0
     while i < len(xs):
