@@ -64,6 +64,17 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
                              "graph_ms": round(t["graph_ms"], 3)})
                 print("  ", rows[-1], flush=True)
         model.skinny_max_m, model.skinny_rows = saved
+        # rotary + KV append fused into decode attention vs the separate kernel (A/B)
+        be = model.attn_backend
+        if hasattr(be, "fuse_decode_rope"):
+            for fused in (False, True):
+                be.fuse_decode_rope = fused
+                eng.runner.maybe_capture_graphs(max_ctx + 64, be.name)
+                for b in (1, 64):
+                    t = time_decode(eng, b, 1024, eager=False)
+                    rows.append({"shape": shape, "case": f"decode b={b} ctx=1024 rope " + ("fused" if fused else "separate"),
+                                 "graph_ms": round(t["graph_ms"], 3)})
+                    print("  ", rows[-1], flush=True)
     for n in (PREFILL_LENS if not quick else [512, 4096]):
         ms = time_prefill(eng, n)
         gms = time_prefill(eng, n, graphs=True)  # nan above the largest prefill graph bucket

@@ -41,15 +41,29 @@ def _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_
     return k, v
 
 
+@triton.jit
+def _rotate_rows(ptr, offs_d, c, sn, mask, D: tl.constexpr, HALF: tl.constexpr):
+    """Neox rotary of rows [R, D] at ptr (row offsets in ptr): fp32, the same products and
+    sums as engine.kernels.rotary.rot_halves (x1 c - x2 s | x2 c + x1 s)."""
+    partner = (offs_d + HALF) % D
+    xa = tl.load(ptr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    t1 = xa * c[None, :]
+    t2 = xb * sn[None, :]
+    return tl.where((offs_d < HALF)[None, :], t1 - t2, t1 + t2)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                          out_ptr, part_o_ptr, part_lse_ptr, sm_scale, num_splits,
                          stride_qt, stride_qh, stride_c_kv, stride_c_slot, stride_c_h, stride_bt,
                          stride_ot, stride_oh,
+                         kn_ptr, vn_ptr, cos_ptr, sin_ptr, idx_ptr, slot_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
@@ -73,8 +87,33 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     heads = kvh * G + offs_g
     g_mask = offs_g < G
     d_mask = offs_d < D
-    q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
+    if ROPE:
+        # fused rotary + KV append (16-bit caches, D == D_PAD): q and the new token's k are
+        # rotated here from the un-rotated qkv; the split holding the new position writes
+        # its k / v to the cache before reading the context (same CTA: a barrier suffices)
+        HALF: tl.constexpr = D // 2
+        row = tl.load(idx_ptr + s).to(tl.int64)
+        c = tl.load(cos_ptr + row * stride_cos + offs_d % HALF)
+        sn = tl.load(sin_ptr + row * stride_cos + offs_d % HALF)
+        qrows = q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        q = _rotate_rows(qrows, offs_d, c, sn, g_mask[:, None], D, HALF).to(q_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + s).to(tl.int64)
+        last = seq_len - 1
+        if (start <= last) & (last < end) & (slot >= 0):
+            one = tl.arange(0, 1)
+            krow = kn_ptr + s.to(tl.int64) * stride_kt + kvh * stride_kh + one[:, None] * 0
+            kr = _rotate_rows(krow, offs_d, c, sn, one[:, None] >= 0, D, HALF)
+            kr = kr.to(kn_ptr.dtype.element_ty)  # rounds like the unfused rotary's output
+            vv = tl.load(vn_ptr + s.to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :]
+                         + one[:, None] * 0)
+            dst = cache_ptr + slot * stride_c_slot + kvh * stride_c_h + offs_d[None, :] + one[:, None] * 0
+            cdt_c = cache_ptr.dtype.element_ty
+            tl.store(dst, kr.to(cdt_c))
+            tl.store(dst + stride_c_kv, vv.to(cdt_c))
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
     if IS_FP8:
         # fp8 -> fp16 is one instruction (fp8 -> bf16 is not); |q| < 65504 assumed
         q = q.to(tl.float16)
@@ -171,9 +210,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2,
-                           prefetch: bool | None = None) -> torch.Tensor:
+                           prefetch: bool | None = None, new_kv: tuple | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
-    Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`)."""
+    Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`).
+    new_kv = (k, v, cos, sin, token_index, slot_mapping): fused rotary + KV append: q and k
+    are the UN-rotated projections (k, v: [num_seqs, Hkv, D]; cos/sin rows token_index[i];
+    slot -1 writes nothing); the kernel rotates q, writes rotated k and v to the cache at
+    slot_mapping[i] and attends, replacing engine.kernels.rope_kv_write + this kernel
+    (16-bit caches, power-of-two head_dim, full rotary). q is not modified."""
     S, Hq, D = q.shape
     _, _, BS, Hkv, Dc = kv_cache.shape
     if Dc != D or Hq % Hkv:
@@ -199,6 +243,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         block_n = (64 if is_fp8 else 32) if D_PAD <= 128 else 32
     if num_splits is None:
         num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device)
+    rope = _check_new_kv(new_kv, q, kv_cache, is_fp8, D, D_PAD) if new_kv is not None else None
     if num_splits > 1:
         part_o = torch.empty((S, Hq, num_splits, D_PAD), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((S, Hq, num_splits), dtype=torch.float32, device=q.device)
@@ -212,12 +257,32 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
+        *(rope if rope is not None else (q,) * 6 + (0,) * 5),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
-        UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl,
+        UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl, ROPE=rope is not None,
         num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=4, **launch)
     return out
+
+
+def _check_new_kv(new_kv, q, kv_cache, is_fp8, D, D_PAD) -> tuple:
+    k, v, cos, sin, idx, slots = new_kv
+    S, _, _ = q.shape
+    Hkv = kv_cache.shape[3]
+    if is_fp8 or D != D_PAD:
+        raise ValueError("fused rotary + KV append needs a 16-bit cache and a power-of-two head_dim")
+    if k.shape != (S, Hkv, D) or v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} are not [{S}, {Hkv}, {D}]")
+    if 2 * cos.shape[1] != D or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos/sin {tuple(cos.shape)} must cover the whole head_dim {D}")
+    if min(k.stride(-1), v.stride(-1), cos.stride(-1)) != 1:
+        raise ValueError("k, v and cos/sin need a contiguous last dim")
+    if idx.shape[0] < S or slots.shape[0] < S:
+        raise ValueError(f"token_index / slot_mapping shorter than {S} sequences")
+    if kv_cache.stride(1) != kv_cache.shape[2] * kv_cache.stride(2):
+        raise ValueError("kv_cache blocks must be contiguous (flat slot addressing)")
+    return (k, v, cos, sin, idx, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))

@@ -16,6 +16,8 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScale
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # decode-only batches: rotary + KV append fused into the decode attention kernel
+    fuse_decode_rope = True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -34,6 +36,11 @@ class TritonAttentionBackend(AttentionBackend):
             # layer takes the unfused path
             return super().forward_rope(layer, q, k, v, rope, kv_cache, meta, kv_scales)
         self._check_q(q)
+        if (self.fuse_decode_rope and meta.is_decode_only and q.shape[0] == meta.num_seqs
+                and kv_cache.dtype != torch.float8_e4m3fn and self.head_dim & (self.head_dim - 1) == 0):
+            # decode: rotary + KV append inside the attention kernel (one launch per layer)
+            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                          new_kv=(k, v, cos, sin, idx, meta.slot_mapping))
         ks, vs = self._scales(layer, k, v, kv_cache, kv_scales)
         rope_write_kv(idx, q, k, v, cos, sin, kv_cache, meta.slot_mapping, ks, vs)
         return self._attend(q, kv_cache, meta, ks, vs)

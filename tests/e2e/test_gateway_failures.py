@@ -2,6 +2,7 @@
 the client's stream with UNAVAILABLE within seconds (gRPC) and an error event (REST)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -39,8 +40,15 @@ async def test_dead_prefill_replica_is_routed_around(services):
         for i in range(4):  # whichever replica routing picks first, every request succeeds
             got = [t for x in await run(stub, req(6)) for t in x.token_ids]
             assert got == want, f"request {i}"
+        # the requests may all have gone to the live replica: the dead one is then found by
+        # the load poll (every 0.5 s), so /health is eventually consistent -- wait for it
+        deadline = time.monotonic() + 10
         async with httpx.AsyncClient(base_url=services.http_url, timeout=10) as c:
-            h = (await c.get("/health")).json()
+            while True:
+                h = (await c.get("/health")).json()
+                if any(not p["healthy"] for p in h["prefill"]) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
         assert any(not p["healthy"] for p in h["prefill"]) and any(p["healthy"] for p in h["prefill"])
 
 

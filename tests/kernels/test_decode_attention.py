@@ -66,3 +66,56 @@ def test_choose_num_splits_is_shape_only_and_bounded():
     assert choose_num_splits(64, 8, 256, 16, 64, cpu) == 1      # GPU already full: no split
     assert choose_num_splits(1, 1, 2, 16, 64, cpu) == 1         # short context: nothing to split
     assert 1 <= choose_num_splits(1, 1, 10**6, 16, 16, cpu) <= 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv,gqa,num_splits,prefetch", [(2, 4, 1, False), (1, 3, 3, True), (4, 2, 2, False)])
+def test_fused_rope_append_matches_two_kernels(dtype, hkv, gqa, num_splits, prefetch, device):
+    """new_kv: rotary + KV append inside the decode kernel == rope_write_kv, then the kernel;
+    padding rows (slot -1, seq_len 0) write nothing and give zeros."""
+    from engine.kernels.rope_kv_write import rope_write_kv
+
+    g = torch.Generator().manual_seed(hkv * 100 + gqa * 10 + num_splits)
+    d, bs, S = 32, 16, 4
+    hq = hkv * gqa
+    lens = torch.tensor([37, 1, 16, 0], dtype=torch.int32)  # new token included; last: padding
+    nblk = 4
+    cache = torch.randn(2, S * nblk + 1, bs, hkv, d, generator=g).to(dtype).to(device)
+    bt = torch.randperm(S * nblk, generator=g)[:S * nblk].view(S, nblk).to(torch.int32).to(device)
+    pos = (lens - 1).clamp(min=0)
+    slots = torch.tensor([int(bt[i, p // bs]) * bs + int(p) % bs for i, p in enumerate(pos.tolist())])
+    slots[3] = -1
+    qkv = torch.randn(S, hq + 2 * hkv, d, generator=g).to(dtype).to(device)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    f = pos.float()[:, None] * inv[None, :]
+    cos, sin = f.cos().to(device), f.sin().to(device)
+    idx = torch.arange(S, device=device)
+    slots, lens = slots.to(device), lens.to(device)
+    # the two kernels
+    q2, cache2 = q.clone(), cache.clone()
+    rope_write_kv(idx, q2, k.clone(), v, cos, sin, cache2, slots)
+    want = paged_decode_attention(q2, cache2, bt, lens, d ** -0.5, num_splits=num_splits, prefetch=prefetch)
+    # fused
+    q0 = q.clone()
+    got = paged_decode_attention(q, cache, bt, lens, d ** -0.5, num_splits=num_splits, prefetch=prefetch,
+                                 new_kv=(k, v, cos, sin, idx, slots))
+    assert torch.equal(q, q0), "q must be left un-rotated"
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cache.float(), cache2.float(), **tol)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert torch.count_nonzero(got[3]) == 0
+
+
+def test_fused_rope_append_rejects_bad_shapes(device):
+    q = torch.zeros(2, 4, 32, device=device)
+    cache = torch.zeros(2, 4, 16, 2, 32, device=device)
+    bt = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    k = torch.zeros(2, 2, 32, device=device)
+    cs = torch.zeros(2, 16, device=device)
+    idx = torch.arange(2, device=device)
+    with pytest.raises(ValueError, match="k .* are not"):
+        paged_decode_attention(q, cache, bt, lens, 1.0, new_kv=(k[:, :1], k[:, :1], cs, cs, idx, idx))
+    with pytest.raises(ValueError, match="whole head_dim"):
+        paged_decode_attention(q, cache, bt, lens, 1.0, new_kv=(k, k, cs[:, :8], cs[:, :8], idx, idx))
