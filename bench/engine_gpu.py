@@ -67,6 +67,8 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
         # rotary + KV append fused into decode attention vs the separate kernel (A/B)
         be = model.attn_backend
         if hasattr(be, "fuse_decode_rope"):
+            limit = be.fuse_decode_rope_max_seqs
+            be.fuse_decode_rope_max_seqs = 1 << 30  # the A/B covers every batch size
             for fused in (False, True):
                 be.fuse_decode_rope = fused
                 eng.runner.maybe_capture_graphs(max_ctx + 64, be.name)
@@ -75,6 +77,7 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool) -> list[dict]
                     rows.append({"shape": shape, "case": f"decode b={b} ctx=1024 rope " + ("fused" if fused else "separate"),
                                  "graph_ms": round(t["graph_ms"], 3)})
                     print("  ", rows[-1], flush=True)
+            be.fuse_decode_rope_max_seqs = limit
     for n in (PREFILL_LENS if not quick else [512, 4096]):
         ms = time_prefill(eng, n)
         gms = time_prefill(eng, n, graphs=True)  # nan above the largest prefill graph bucket

@@ -16,8 +16,12 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScale
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    # decode-only batches: rotary + KV append fused into the decode attention kernel
+    # decode-only batches of at most this many sequences: rotary + KV append fused into the
+    # decode attention kernel (one launch per layer fewer). H200, 2026-12-02 (A/B in
+    # bench/engine_gpu.py): 1B shape -6% step time at batch 1, but +4-7% at batch 64 on both
+    # shapes (the fused kernel's extra registers cost occupancy where the KV read dominates).
     fuse_decode_rope = True
+    fuse_decode_rope_max_seqs = 8
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -37,6 +41,7 @@ class TritonAttentionBackend(AttentionBackend):
             return super().forward_rope(layer, q, k, v, rope, kv_cache, meta, kv_scales)
         self._check_q(q)
         if (self.fuse_decode_rope and meta.is_decode_only and q.shape[0] == meta.num_seqs
+                and meta.num_seqs <= self.fuse_decode_rope_max_seqs
                 and kv_cache.dtype != torch.float8_e4m3fn and self.head_dim & (self.head_dim - 1) == 0):
             # decode: rotary + KV append inside the attention kernel (one launch per layer)
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale,

@@ -89,3 +89,36 @@ def test_flash_backend_clear_error_without_flash_attn():
 
     with pytest.raises(RuntimeError, match="flash-attn"):
         FlashAttentionBackend(4, 1, 64)
+
+
+@pytest.mark.parametrize("batch,expect_fused", [(4, True), (12, False)])
+def test_forward_rope_fused_decode_matches_separate_and_torch(batch, expect_fused, device, monkeypatch):
+    """Decode-only forward_rope: rotary + KV append inside the decode kernel (small batches)
+    == rope_write_kv + decode kernel == the torch backend (rotate, write, attend)."""
+    from engine.kernels import decode_attention as da
+
+    hq, hkv, d, bs = 8, 2, 64, 16
+    lens = [5 + 7 * i for i in range(batch)]
+    kv, meta = make_batch(lens, [1] * batch, bs, hkv, d, torch.float32, device)
+    q, k, v = _inputs([1] * batch, hq, hkv, d, torch.float32, device, seed=batch)
+    pos = torch.tensor([n - 1 for n in lens])
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    f = pos.float()[:, None] * inv[None, :]
+    rope = (f.cos().to(device), f.sin().to(device), torch.arange(batch, device=device))
+    calls = []
+    real = da.paged_decode_attention
+    monkeypatch.setattr("engine.layers.attention_triton.paged_decode_attention",
+                        lambda *a, **kw: calls.append("new_kv" in kw) or real(*a, **kw))
+    outs, caches = [], []
+    for fused in (True, False):
+        be = TritonAttentionBackend(hq, hkv, d)
+        be.fuse_decode_rope = fused
+        c = kv.clone()
+        outs.append(be.forward_rope(0, q.clone(), k.clone(), v, rope, c, meta))
+        caches.append(c)
+    assert calls == [expect_fused, False]
+    c = kv.clone()
+    ref = TorchAttentionBackend(hq, hkv, d).forward_rope(0, q.clone(), k.clone(), v, rope, c, meta)
+    for out, cache in zip(outs, caches):
+        torch.testing.assert_close(cache, c, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
