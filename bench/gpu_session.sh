@@ -5,6 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 export PYTHONUNBUFFERED=1 SPLITSERVE_BENCH_DIR=$OUT
+# NOTE: on the lent GPU the working tree arrives with stale git metadata (HEAD may be an older
+# commit): pass SPLITSERVE_COMMIT=<sha> in the device command to record the right one.
 export SPLITSERVE_COMMIT=${SPLITSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 steps=${*:-tests engine sweep}
 if [ -d .whl ]; then  # service deps the GPU image lacks, carried as wheels (see the device notes)
