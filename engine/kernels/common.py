@@ -6,6 +6,13 @@ import os
 
 import torch
 
+try:  # programmatic dependent launch primitives (Hopper+); absent in old Triton releases.
+    # Kernels import them from here; they are only called under a PDL constexpr that
+    # pdl_supported() sets, so a Triton without them never reaches the calls.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the Triton release
+    gdc_launch_dependents = gdc_wait = None
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
@@ -45,16 +52,7 @@ def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, a Triton that has gdc_wait, not the
     interpreter."""
     device = torch.device(device)
-    if device.type != "cuda" or interpreting() or not _gdc_available():
+    if device.type != "cuda" or interpreting() or gdc_wait is None:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(idx) >= (9, 0)
-
-
-@functools.lru_cache(maxsize=1)
-def _gdc_available() -> bool:
-    try:
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return True

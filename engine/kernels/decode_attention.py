@@ -19,12 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_precision, num_sms, pdl_supported, upcast_dots
+from engine.kernels.common import (dot_precision, gdc_launch_dependents, gdc_wait, num_sms, pdl_supported,
+                                    upcast_dots)
+from engine.kernels.rotary import rotate_rows
 
-try:  # programmatic dependent launch trigger (Hopper+); absent in old Triton releases
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the Triton release
-    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = 1.4426950408889634
 
@@ -39,18 +37,6 @@ def _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_
     k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
     return k, v
-
-
-@triton.jit
-def _rotate_rows(ptr, offs_d, c, sn, mask, D: tl.constexpr, HALF: tl.constexpr):
-    """Neox rotary of rows [R, D] at ptr (row offsets in ptr): fp32, the same products and
-    sums as engine.kernels.rotary.rot_halves (x1 c - x2 s | x2 c + x1 s)."""
-    partner = (offs_d + HALF) % D
-    xa = tl.load(ptr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xb = tl.load(ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    t1 = xa * c[None, :]
-    t2 = xb * sn[None, :]
-    return tl.where((offs_d < HALF)[None, :], t1 - t2, t1 + t2)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -96,13 +82,13 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         c = tl.load(cos_ptr + row * stride_cos + offs_d % HALF)
         sn = tl.load(sin_ptr + row * stride_cos + offs_d % HALF)
         qrows = q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-        q = _rotate_rows(qrows, offs_d, c, sn, g_mask[:, None], D, HALF).to(q_ptr.dtype.element_ty)
+        q = rotate_rows(qrows, offs_d, c, sn, g_mask[:, None], D, HALF).to(q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + s).to(tl.int64)
         last = seq_len - 1
         if (start <= last) & (last < end) & (slot >= 0):
             one = tl.arange(0, 1)
             krow = kn_ptr + s.to(tl.int64) * stride_kt + kvh * stride_kh + one[:, None] * 0
-            kr = _rotate_rows(krow, offs_d, c, sn, one[:, None] >= 0, D, HALF)
+            kr = rotate_rows(krow, offs_d, c, sn, one[:, None] >= 0, D, HALF)
             kr = kr.to(kn_ptr.dtype.element_ty)  # rounds like the unfused rotary's output
             vv = tl.load(vn_ptr + s.to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :]
                          + one[:, None] * 0)

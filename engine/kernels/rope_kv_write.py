@@ -14,14 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import pdl_supported
+from engine.kernels.common import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.kv_write import round_to_e4m3
 from engine.kernels.rotary import rot_halves
-
-try:  # programmatic dependent launch (Hopper+); absent in old Triton releases
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the Triton release
-    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit

@@ -24,6 +24,19 @@ def rot_halves(ptr, stride_h, c, s, H, offs_h, offs_r, HALF: tl.constexpr):
 
 
 @triton.jit
+def rotate_rows(ptr, offs_d, c, sn, mask, D: tl.constexpr, HALF: tl.constexpr):
+    """rot_halves for a whole head in one [R, D] tile (row offsets already in ptr): each
+    feature d reads its partner d +- D/2; the same fp32 products and sums as rot_halves
+    (x1 c - x2 s | x2 c + x1 s). c, sn: [D] (the [D/2] rows repeated)."""
+    partner = (offs_d + HALF) % D
+    xa = tl.load(ptr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    t1 = xa * c[None, :]
+    t2 = xb * sn[None, :]
+    return tl.where((offs_d < HALF)[None, :], t1 - t2, t1 + t2)
+
+
+@triton.jit
 def _rotate(ptr, stride_h, c, s, H, offs_h, offs_r, HALF: tl.constexpr):
     r1, r2, mask = rot_halves(ptr, stride_h, c, s, H, offs_h, offs_r, HALF)
     p1 = ptr + offs_h[:, None] * stride_h + offs_r[None, :]

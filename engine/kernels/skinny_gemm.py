@@ -46,12 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_precision, num_sms, pdl_supported, upcast_dots
-
-try:  # programmatic dependent launch (Hopper+); absent in old Triton releases
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the Triton release
-    gdc_launch_dependents = gdc_wait = None
+from engine.kernels.common import (dot_precision, gdc_launch_dependents, gdc_wait, num_sms, pdl_supported,
+                                    upcast_dots)
 
 
 # Decode batches up to this many rows use the fused skinny path by default (see
