@@ -27,7 +27,8 @@ from bench.common import print_table, write_result
 from bench.timing import graph_time_ms
 from engine.kernels.rmsnorm import rms_norm
 from engine.kernels.skinny_configs import table_path
-from engine.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from engine.kernels.skinny_configs import SkinnyConfig
+from engine.kernels.skinny_gemm import skinny_linear
 
 SHAPES = {  # name: (hidden, q_size, q+2kv, intermediate, vocab)
     "llama-3.2-1b": (2048, 2048, 2048 + 2 * 512, 8192, 128256),

@@ -100,7 +100,7 @@ class DeviceConfig:
     cpu_threads: int | None = None
     # Decode matmuls with at most this many rows run through the fused skinny-GEMM Triton
     # kernels (norm / silu / residual fused); larger batches use cuBLAS. None: the tuned
-    # default (engine.kernels.skinny_gemm.DEFAULT_MAX_M); 0: off. CUDA only.
+    # default (engine.kernels.skinny_configs.DEFAULT_MAX_M); 0: off. CUDA only.
     skinny_gemm_max_batch: int | None = None
 
     def __post_init__(self) -> None:

@@ -82,7 +82,7 @@ class ModelRunner:
         if self.device.type != "cuda" or want == 0:
             return 0, None
         try:
-            from engine.kernels.skinny_gemm import tuned_max_m, tuned_rows
+            from engine.kernels.skinny_configs import tuned_max_m, tuned_rows
         except ImportError:  # no triton: cuBLAS everywhere
             log.warning("skinny GEMM kernels unavailable (triton import failed): decode uses cuBLAS")
             return 0, None

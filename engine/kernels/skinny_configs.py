@@ -1,16 +1,17 @@
-"""Tuned tile tables for the skinny decode GEMM, one JSON file per GPU model.
+"""Tile configs for the skinny decode GEMM (engine/kernels/skinny_gemm.py): the config
+type, the tuned tables (one JSON file per GPU model) and the heuristic for everything else.
 
 bench/skinny_gemm_sweep.py times every candidate config for the exact fused matmuls of real
 model shapes and writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.json:
     {"device": "NVIDIA H200", "max_m": 64, "fused_m": [1, 16, 32, 64],
      "entries": [{"n": 6144, "k": 4096, "silu": false, "m": 1,
                   "cfg": [block_n, block_k, num_warps, num_stages, use_dot(, split_k,
-                          prefetch_x)]}, ...]}
+                          prefetch_x, norm_separate)]}, ...]}
 Lookup: exact (n, k, silu) and the smallest tuned m >= the batch's m (else the largest).
 fused_m: the tuned m where the fused kernels beat cuBLAS over a whole step; a batch takes
 the fused path when its tuned bucket (the smallest tuned m >= its rows) is in fused_m (a
 table without fused_m: every batch <= max_m).
-Shapes or GPUs without a table fall back to skinny_gemm.default_config's heuristic.
+Shapes or GPUs without a table fall back to default_config's heuristic.
 """
 from __future__ import annotations
 
@@ -19,10 +20,20 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from engine.kernels.common import num_sms
 
 log = logging.getLogger("splitserve.engine.kernels")
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+# Decode batches up to this many rows use the fused skinny path by default (see
+# DeviceConfig.skinny_gemm_max_batch); chosen from bench/skinny_gemm_sweep.py on an H200.
+DEFAULT_MAX_M = 16
 
 
 def table_path(device_name: str) -> str:
@@ -66,7 +77,7 @@ def lookup(device_name: str, m: int, n: int, k: int, silu: bool) -> tuple | None
     return rows[-1][1]
 
 
-def tuned_max_m(device_name: str) -> int | None:
+def table_max_m(device_name: str) -> int | None:
     t = load_table(device_name)
     return None if t is None else t.get("max_m")
 
@@ -85,3 +96,86 @@ def fused_rows(device_name: str, limit: int = 64) -> frozenset[int] | None:
         if bucket is not None and bucket in fused:
             out.add(rows)
     return frozenset(out)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+    split_k: int = 1  # programs per N tile along K (deterministic last-arriver reduction)
+    prefetch_x: bool = False  # register double buffering of the next K chunk
+    # NORM as a separate rmsnorm kernel before the GEMM: at 32+ rows the fused prologue's
+    # per-chunk register work (x^2 sums, * g, the x tile through registers into the dot)
+    # costs more than one extra launch
+    norm_separate: bool = False
+
+    def k_split(self, k: int) -> tuple[int, int]:
+        """(splits, K per split): K per split is a multiple of block_k and no split is empty."""
+        chunks = triton.cdiv(k, self.block_k)
+        s = max(1, min(self.split_k, chunks))
+        per = triton.cdiv(chunks, s) * self.block_k
+        return triton.cdiv(k, per), per
+
+    def block_m(self, m: int) -> int:
+        p = triton.next_power_of_2(m)
+        return max(16, p) if self.use_dot else p
+
+    def smem_bytes(self, m: int, silu: bool, elem: int = 2) -> int:
+        """Shared memory the dot path's pipeline needs (x and weight tiles per stage)."""
+        if not self.use_dot:
+            return 0
+        return self.num_stages * self.block_k * elem * (self.block_m(m) + self.block_n * (2 if silu else 1))
+
+
+@functools.lru_cache(maxsize=4096)  # called per matmul launch on the eager path
+def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> SkinnyConfig:
+    """The tuned table's config for this GPU and shape, else a heuristic: memory-bound, so aim for several programs per SM (each SM must keep
+    enough loads in flight) with 4-16 KiB weight tiles per pipeline stage."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        hit = lookup(_device_name(device), m, n, k, silu)
+        if hit is not None:
+            return SkinnyConfig(*hit)
+    sms = num_sms(device)
+    use_dot = m > 4
+    if use_dot:
+        block_k = min(128, max(16, triton.next_power_of_2(k)))
+        block_n = 64
+        while block_n > 16 and triton.cdiv(n, block_n) < 4 * sms:
+            block_n //= 2
+        split = 1  # too few N tiles to fill the GPU: split K (>= 2 chunks per split)
+        while triton.cdiv(n, block_n) * split < sms and triton.cdiv(k, block_k) >= 4 * split:
+            split *= 2
+        return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, use_dot=True,
+                            split_k=split)
+    # FMA: accumulator registers ~ BLOCK_M * BLOCK_N * BLOCK_K / threads (x2 with silu)
+    block_k = min(1024 // triton.next_power_of_2(m), max(16, triton.next_power_of_2(k)))
+    block_n = 8
+    while block_n > 2 and triton.cdiv(n, block_n) < 8 * sms:
+        block_n //= 2
+    if silu:
+        block_n = max(2, block_n // 2)
+    return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=8, num_stages=1, use_dot=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def tuned_max_m(device: torch.device) -> int:
+    """Largest decode batch for which the fused kernels beat cuBLAS on this GPU (tuned
+    table), else DEFAULT_MAX_M."""
+    device = torch.device(device)
+    m = table_max_m(_device_name(device)) if device.type == "cuda" else None
+    return DEFAULT_MAX_M if m is None else int(m)
+
+
+def tuned_rows(device: torch.device) -> frozenset[int] | None:
+    """Batch row counts (<= tuned_max_m) where the tuned table says the fused kernels win
+    over a whole step; None: every batch up to tuned_max_m."""
+    device = torch.device(device)
+    return fused_rows(_device_name(device)) if device.type == "cuda" else None

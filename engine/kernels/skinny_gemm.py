@@ -39,20 +39,12 @@ applied after the dot product, not before it); the torch reference below is the 
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import (dot_precision, gdc_launch_dependents, gdc_wait, num_sms, pdl_supported,
-                                    upcast_dots)
-
-
-# Decode batches up to this many rows use the fused skinny path by default (see
-# DeviceConfig.skinny_gemm_max_batch); chosen from bench/skinny_gemm_sweep.py on an H200.
-DEFAULT_MAX_M = 16
+from engine.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, pdl_supported, upcast_dots
+from engine.kernels.skinny_configs import SkinnyConfig, default_config
 
 
 @triton.jit
@@ -258,72 +250,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                       K, stride_om, stride_rm, eps, adt, NORM, SILU, RESID, HAS_BIAS)
 
 
-@dataclass(frozen=True)
-class SkinnyConfig:
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    use_dot: bool
-    split_k: int = 1  # programs per N tile along K (deterministic last-arriver reduction)
-    prefetch_x: bool = False  # register double buffering of the next K chunk
-    # NORM as a separate rmsnorm kernel before the GEMM: at 32+ rows the fused prologue's
-    # per-chunk register work (x^2 sums, * g, the x tile through registers into the dot)
-    # costs more than one extra launch
-    norm_separate: bool = False
-
-    def k_split(self, k: int) -> tuple[int, int]:
-        """(splits, K per split): K per split is a multiple of block_k and no split is empty."""
-        chunks = triton.cdiv(k, self.block_k)
-        s = max(1, min(self.split_k, chunks))
-        per = triton.cdiv(chunks, s) * self.block_k
-        return triton.cdiv(k, per), per
-
-    def block_m(self, m: int) -> int:
-        p = triton.next_power_of_2(m)
-        return max(16, p) if self.use_dot else p
-
-    def smem_bytes(self, m: int, silu: bool, elem: int = 2) -> int:
-        """Shared memory the dot path's pipeline needs (x and weight tiles per stage)."""
-        if not self.use_dot:
-            return 0
-        return self.num_stages * self.block_k * elem * (self.block_m(m) + self.block_n * (2 if silu else 1))
-
-
-@functools.lru_cache(maxsize=4096)  # called per matmul launch on the eager path
-def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> SkinnyConfig:
-    """The tuned table's config for this GPU and shape (engine/kernels/skinny_configs.py),
-    else a heuristic: memory-bound, so aim for several programs per SM (each SM must keep
-    enough loads in flight) with 4-16 KiB weight tiles per pipeline stage."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        from engine.kernels.skinny_configs import lookup
-
-        hit = lookup(_device_name(device), m, n, k, silu)
-        if hit is not None:
-            return SkinnyConfig(*hit)
-    sms = num_sms(device)
-    use_dot = m > 4
-    if use_dot:
-        block_k = min(128, max(16, triton.next_power_of_2(k)))
-        block_n = 64
-        while block_n > 16 and triton.cdiv(n, block_n) < 4 * sms:
-            block_n //= 2
-        split = 1  # too few N tiles to fill the GPU: split K (>= 2 chunks per split)
-        while triton.cdiv(n, block_n) * split < sms and triton.cdiv(k, block_k) >= 4 * split:
-            split *= 2
-        return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, use_dot=True,
-                            split_k=split)
-    # FMA: accumulator registers ~ BLOCK_M * BLOCK_N * BLOCK_K / threads (x2 with silu)
-    block_k = min(1024 // triton.next_power_of_2(m), max(16, triton.next_power_of_2(k)))
-    block_n = 8
-    while block_n > 2 and triton.cdiv(n, block_n) < 8 * sms:
-        block_n //= 2
-    if silu:
-        block_n = max(2, block_n // 2)
-    return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=8, num_stages=1, use_dot=False)
-
-
 # Split-K arrival counters, one int32 per N tile, per device. The last arriver resets its
 # counter, so the buffer stays all-zero between launches and is shared by every split-K
 # launch on the device. NOTE: this assumes split-K launches on one device do not run
@@ -342,30 +268,6 @@ def _locks(device: torch.device, n_tiles: int) -> torch.Tensor:
         buf = torch.zeros(max(n_tiles, 16384), dtype=torch.int32, device=device)
         _LOCKS[key] = buf
     return buf
-
-
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
-def tuned_max_m(device: torch.device) -> int:
-    """Largest decode batch for which the fused kernels beat cuBLAS on this GPU (tuned
-    table), else DEFAULT_MAX_M."""
-    from engine.kernels.skinny_configs import tuned_max_m as _t
-
-    device = torch.device(device)
-    m = _t(_device_name(device)) if device.type == "cuda" else None
-    return DEFAULT_MAX_M if m is None else int(m)
-
-
-def tuned_rows(device: torch.device) -> frozenset[int] | None:
-    """Batch row counts (<= tuned_max_m) where the tuned table says the fused kernels win
-    over a whole step; None: every batch up to tuned_max_m."""
-    from engine.kernels.skinny_configs import fused_rows
-
-    device = torch.device(device)
-    return fused_rows(_device_name(device)) if device.type == "cuda" else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from engine.kernels.reference import rms_norm_ref, skinny_linear_ref
-from engine.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear
+from engine.kernels.skinny_configs import SkinnyConfig, default_config
+from engine.kernels.skinny_gemm import skinny_linear
 
 FMA = SkinnyConfig(block_n=8, block_k=32, num_warps=4, num_stages=1, use_dot=False)
 DOT = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=True)
@@ -164,7 +165,7 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
         assert sc.lookup("Fake GPU", 40, 64, 32, False) == (16, 32, 4, 3, True)  # past the largest
         assert sc.lookup("Fake GPU", 1, 64, 32, True) is None  # untuned shape: heuristic
         assert sc.lookup("Other GPU", 1, 64, 32, False) is None
-        assert sc.tuned_max_m("Fake GPU") == 2
+        assert sc.table_max_m("Fake GPU") == 2
         assert sc.fused_rows("Fake GPU") is None  # no fused_m: every batch <= max_m
         doc2 = dict(doc, max_m=16, fused_m=[1, 16])
         doc2["entries"] = doc["entries"] + [
