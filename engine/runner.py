@@ -86,10 +86,8 @@ class ModelRunner:
         except ImportError:  # no triton: cuBLAS everywhere
             log.warning("skinny GEMM kernels unavailable (triton import failed): decode uses cuBLAS")
             return 0, None
-        if want is not None:
-            log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", want)
-            return want, None
-        m, rows = tuned_max_m(self.device), tuned_rows(self.device)
+        # an explicit --skinny-gemm-max-batch means every batch up to it
+        m, rows = (want, None) if want is not None else (tuned_max_m(self.device), tuned_rows(self.device))
         if rows is None:
             log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", m)
         else:
