@@ -1,17 +1,16 @@
-"""Small helpers shared by the Triton kernel wrappers."""
+"""Small helpers shared by the Triton kernel wrappers.
+
+NOTE: importing this module must not import triton: engine.models.llama imports it on every
+machine (CPU included), and the test suite sets TRITON_INTERPRET only when it reaches the
+kernel tests, after other modules were imported. Triton-level helpers live in
+engine/kernels/pdl.py.
+"""
 from __future__ import annotations
 
 import functools
 import os
 
 import torch
-
-try:  # programmatic dependent launch primitives (Hopper+); absent in old Triton releases.
-    # Kernels import them from here; they are only called under a PDL constexpr that
-    # pdl_supported() sets, so a Triton without them never reaches the calls.
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the Triton release
-    gdc_launch_dependents = gdc_wait = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,18 +40,3 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     """NOTE: the Triton interpreter computes tl.dot on bf16 operands wrongly (raw bits), so
     under the interpreter bf16 kernels upcast their dot operands to fp32. Never on GPU."""
     return dtype == torch.bfloat16 and interpreting()
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper or newer, a Triton that has gdc_wait, not the
-    interpreter."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreting() or gdc_wait is None:
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(idx) >= (9, 0)

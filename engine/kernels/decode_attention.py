@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import (dot_precision, gdc_launch_dependents, gdc_wait, num_sms, pdl_supported,
-                                    upcast_dots)
+from engine.kernels.common import dot_precision, num_sms, upcast_dots
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.rotary import rotate_rows
 
 

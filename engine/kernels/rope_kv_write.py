@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.kv_write import round_to_e4m3
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.rotary import rot_halves
 
 

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, pdl_supported, upcast_dots
+from engine.kernels.common import dot_precision, upcast_dots
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
 
 
