@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
-# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|profile|services ...]
+# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|profile|ab|services ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -22,7 +22,10 @@ for s in $steps; do
       timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_gtests.log" | tail -8 ;;
     ktests)
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
-        tests/kernels/test_skinny_gemm.py tests/kernels/test_model_skinny.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
+        tests/kernels/test_skinny_gemm.py tests/kernels/test_model_skinny.py \
+        tests/kernels/test_decode_attention.py tests/kernels/test_attention_triton.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
+    ab)
+      timeout 400 python3 -m bench.decode_ab ${AB_ARGS:-} 2>&1 | tee "$OUT/decode_ab.log" | tail -40 ;;
     tests)
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;

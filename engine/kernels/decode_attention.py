@@ -21,10 +21,13 @@ import triton.language as tl
 
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
+from engine.kernels.prefetch import PF_PIECES, bulk_prefetch_supported, l2_prefetch_share, prefetch_span
 from engine.kernels.rotary import rotate_rows
 
 
 LOG2E = 1.4426950408889634
+# grid order of the split kernel (see paged_decode_attention's heads_first)
+HEADS_FIRST_DEFAULT = False
 
 
 @triton.jit
@@ -46,20 +49,35 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          stride_ot, stride_oh,
                          kn_ptr, vn_ptr, cos_ptr, sin_ptr, idx_ptr, slot_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+                         pf_ptr, pf_numel,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
+                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
+                         L2PF: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    if HEADS_FIRST:  # grid (Hkv, S, splits): one sequence's KV heads run side by side
+        kvh = tl.program_id(0)
+        s = tl.program_id(1)
+        n_kvh = tl.num_programs(0)
+    else:  # grid (S, Hkv, splits)
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        n_kvh = tl.num_programs(1)
+    split = tl.program_id(2)
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
         # The next kernel (o_proj or the reduce pass, launched with PDL) may start now; it
         # waits for this grid's completion before reading the attention output.
         gdc_launch_dependents()
+    if L2PF:
+        # the next matmul's weight (read-only): its L2 fill overlaps this kernel and the
+        # previous one's tail (see engine/kernels/prefetch.py)
+        pid = (split * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+        l2_prefetch_share(pf_ptr, pf_numel, pid, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2),
+                          PF_PIECES)
+    if PDL:
         gdc_wait()
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + s)
 
     # this split's context slice: whole BLOCK_N tiles, [start, end)
@@ -152,7 +170,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     else:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         # partial buffers: o [S, Hq, num_splits, D_PAD] fp32, lse [S, Hq, num_splits] fp32
-        row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
+        row = (s.to(tl.int64) * (G * n_kvh) + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
@@ -196,14 +214,20 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2,
-                           prefetch: bool | None = None, new_kv: tuple | None = None) -> torch.Tensor:
+                           prefetch: bool | None = None, new_kv: tuple | None = None,
+                           l2_prefetch: torch.Tensor | None = None,
+                           heads_first: bool | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`).
     new_kv = (k, v, cos, sin, token_index, slot_mapping): fused rotary + KV append: q and k
     are the UN-rotated projections (k, v: [num_seqs, Hkv, D]; cos/sin rows token_index[i];
     slot -1 writes nothing); the kernel rotates q, writes rotated k and v to the cache at
     slot_mapping[i] and attends, replacing engine.kernels.rope_kv_write + this kernel
-    (16-bit caches, power-of-two head_dim, full rotary). q is not modified."""
+    (16-bit caches, power-of-two head_dim, full rotary). q is not modified.
+    l2_prefetch: a read-only tensor the next kernel streams (o_proj's weight): the programs
+    prefetch it into L2 before waiting on the previous kernel (sm_90+; ignored elsewhere).
+    heads_first: grid order (Hkv, S, splits) instead of (S, Hkv, splits), so the programs
+    resident together read neighbouring heads of the same KV blocks."""
     S, Hq, D = q.shape
     _, _, BS, Hkv, Dc = kv_cache.shape
     if Dc != D or Hq % Hkv:
@@ -239,14 +263,20 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     vs = v_scale if is_fp8 else seq_lens
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
-    _decode_split_kernel[(S, Hkv, num_splits)](
+    if heads_first is None:
+        heads_first = HEADS_FIRST_DEFAULT
+    pf_numel = prefetch_span(l2_prefetch) if bulk_prefetch_supported(q.device) else 0
+    grid = (Hkv, S, num_splits) if heads_first else (S, Hkv, num_splits)
+    _decode_split_kernel[grid](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         *(rope if rope is not None else (q,) * 6 + (0,) * 5),
+        l2_prefetch if pf_numel else q, pf_numel,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl, ROPE=rope is not None,
+        L2PF=pf_numel > 0, HEADS_FIRST=bool(heads_first),
         num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
