@@ -57,6 +57,114 @@ def attention_grid_order(reps: int) -> list[dict]:
     return rows
 
 
+def _graph_ms(fns, iters: int = 20) -> float:
+    """ms per replay of fns captured in order as one CUDA graph (median)."""
+    from bench.timing import cuda_time_ms
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    try:
+        return cuda_time_ms(g.replay, iters=iters, warmup=3)
+    finally:
+        del g
+
+
+def l2_diag(reps: int, layers: int = 8) -> list[dict]:
+    """Does an L2-resident o_proj weight make o_proj faster, and does the attention kernel's
+    prefetch get it there? Per layer: an L2 flush (256 MB copy), then the ops; µs per layer
+    from differences of whole-graph times (Llama-3.1-8B o_proj, batch 1, ctx 1024)."""
+    from engine.kernels.skinny_gemm import skinny_linear
+
+    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.01 for _ in range(layers)]
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16)
+    fa = torch.empty(128 << 20, device="cuda", dtype=torch.bfloat16)
+    fb = torch.empty_like(fa)
+    q, cache, bt, lens = _attn_inputs(1, 1024)
+
+    def flush():
+        fb.copy_(fa)
+
+    def o(i):
+        return lambda: skinny_linear(x, ws[i], residual=res, out=res)
+
+    def att(i, pf):
+        return lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5,
+                                                 l2_prefetch=ws[i] if pf else None)
+
+    seqs = {
+        "flush": lambda i: [flush],
+        "flush+o": lambda i: [flush, o(i)],
+        "flush+o+o": lambda i: [flush, o(i), o(i)],
+        "flush+attn": lambda i: [flush, att(i, False)],
+        "flush+attn(pf)": lambda i: [flush, att(i, True)],
+        "flush+attn+o": lambda i: [flush, att(i, False), o(i)],
+        "flush+attn(pf)+o": lambda i: [flush, att(i, True), o(i)],
+        "flush+attn(pf,evict_last)+o": lambda i: [flush, att(i, True), o(i)],
+    }
+    t = {k: [] for k in seqs}
+    for _ in range(reps):
+        for k, mk in seqs.items():
+            da.L2PF_EVICT_LAST = "evict_last" in k
+            fns = [f for i in range(layers) for f in mk(i)]
+            t[k].append(_graph_ms(fns) * 1e3 / layers)
+    da.L2PF_EVICT_LAST = False
+    m = {k: statistics.median(v) for k, v in t.items()}
+    derived = {
+        "o_proj cold (L2 flushed)": m["flush+o"] - m["flush"],
+        "o_proj warm (second read)": m["flush+o+o"] - m["flush+o"],
+        "attn": m["flush+attn"] - m["flush"],
+        "attn with prefetch issued": m["flush+attn(pf)"] - m["flush"],
+        "attn+o_proj": m["flush+attn+o"] - m["flush"],
+        "attn(pf)+o_proj": m["flush+attn(pf)+o"] - m["flush"],
+        "attn(pf evict_last)+o_proj": m["flush+attn(pf,evict_last)+o"] - m["flush"],
+    }
+    rows = [{"case": f"l2 {k}", "us": round(v, 2)} for k, v in derived.items()]
+    for r in rows:
+        print("  ", r, flush=True)
+    rows.append({"case": "l2 raw medians", "raw_us": {k: round(v, 2) for k, v in m.items()}})
+    return rows
+
+
+TILES = [(32, 4, 2, True), (32, 4, 3, True), (64, 4, 2, True), (64, 8, 2, True), (64, 4, 3, False),
+         (128, 8, 2, True), (128, 8, 3, False), (16, 4, 3, True), (32, 2, 2, True), (64, 8, 3, False)]
+
+
+def attention_tiles(cases=((64, 2048), (128, 1024), (32, 4096))) -> list[dict]:
+    """Tile (block_n, warps, stages, register prefetch) then split count, per case."""
+    rows = []
+    for batch, ctx in cases:
+        q, cache, bt, lens = _attn_inputs(batch, ctx)
+        nbytes = batch * ctx * HKV * D * 2 * 2
+
+        def run(**kw):
+            fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, **kw)  # noqa: E731
+            us = _graph_ms([fn] * 10) * 100
+            r = {"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
+                 "GB/s": round(nbytes / us / 1e3)}
+            rows.append(r)
+            return r
+        base = run()
+        got = [run(block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf) for bn, nw, ns, pf in TILES]
+        for r in sorted(got, key=lambda r: r["us"])[:3]:
+            for sp in (1, 2, 3, 4, 6, 8):
+                run(num_splits=sp, **r["cfg"])
+        best = min((r for r in rows if r["case"] == base["case"]), key=lambda r: r["us"])
+        print(f"   {base['case']}: default {base['us']} us ({base['GB/s']} GB/s); best {best['cfg']} "
+              f"{best['us']} us ({best['GB/s']} GB/s)", flush=True)
+        del q, cache, bt, lens
+    return rows
+
+
 def _ab(eng, shape: str, name: str, cases, set_a, set_b, reps: int, max_ctx: int) -> list[dict]:
     t = {c: {"A": [], "B": []} for c in cases}
     for _ in range(reps):
@@ -106,11 +214,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--l2-diag", action="store_true", help="o_proj L2 residency diagnostic")
+    ap.add_argument("--attn-tiles", action="store_true", help="decode attention tile/split sweep")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     krows = [] if a.skip_kernel else attention_grid_order(a.reps)
+    drows = l2_diag(a.reps) if a.l2_diag else []
+    trows = attention_tiles() if a.attn_tiles else []
     erows = []
     for shape in a.shapes.split(","):
         if shape:
@@ -118,10 +230,11 @@ def main() -> None:
             erows += engine_ab(shape, a.reps)
     if krows:
         print_table(krows, ["case", "A_us", "B_us", "B/A", "A_GB/s", "B_GB/s"])
-    print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
+    if erows:
+        print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
-                        {"attention": krows, "engine": erows})
+                        {"attention": krows, "engine": erows, "l2_diag": drows, "attn_tiles": trows})
     print("wrote", path)
 
 

@@ -28,6 +28,8 @@ from engine.kernels.rotary import rotate_rows
 LOG2E = 1.4426950408889634
 # grid order of the split kernel (see paged_decode_attention's heads_first)
 HEADS_FIRST_DEFAULT = False
+# L2 prefetch lines marked evict-last (experiment knob, bench/decode_ab.py)
+L2PF_EVICT_LAST = False
 
 
 @triton.jit
@@ -54,7 +56,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                          PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
-                         L2PF: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                         L2PF: tl.constexpr, HEADS_FIRST: tl.constexpr,
+                         L2PF_EVICT_LAST: tl.constexpr = False):
     if HEADS_FIRST:  # grid (Hkv, S, splits): one sequence's KV heads run side by side
         kvh = tl.program_id(0)
         s = tl.program_id(1)
@@ -75,7 +78,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         # previous one's tail (see engine/kernels/prefetch.py)
         pid = (split * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
         l2_prefetch_share(pf_ptr, pf_numel, pid, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2),
-                          PF_PIECES)
+                          PF_PIECES, L2PF_EVICT_LAST)
     if PDL:
         gdc_wait()
     seq_len = tl.load(seq_lens_ptr + s)
@@ -276,7 +279,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl, ROPE=rope is not None,
-        L2PF=pf_numel > 0, HEADS_FIRST=bool(heads_first),
+        L2PF=pf_numel > 0, HEADS_FIRST=bool(heads_first), L2PF_EVICT_LAST=L2PF_EVICT_LAST,
         num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](

@@ -39,18 +39,27 @@ def prefetch_span(t: torch.Tensor | None) -> int:
 
 
 @triton.jit
-def l2_prefetch_share(ptr, numel, pid, nprog, PIECES: tl.constexpr):
+def l2_prefetch_share(ptr, numel, pid, nprog, PIECES: tl.constexpr, EVICT_LAST: tl.constexpr = False):
     """Program pid of nprog issues L2 bulk prefetches for its contiguous share of
     ptr[0:numel] (numel * element size a multiple of 16 bytes, ptr 16-byte aligned), in
-    PIECES pieces of whole 256-byte units. Non-blocking: nothing waits for the data."""
+    PIECES pieces of whole 256-byte units. Non-blocking: nothing waits for the data.
+    EVICT_LAST: the lines get the L2 evict-last policy (kept over streaming traffic)."""
     EB: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
     UNIT: tl.constexpr = 256 // EB
     share = tl.cdiv(tl.cdiv(numel, nprog), UNIT * PIECES) * (UNIT * PIECES)
     piece = share // PIECES
     offs = pid.to(tl.int64) * share + tl.arange(0, PIECES).to(tl.int64) * piece
     nbytes = (tl.minimum(tl.maximum(numel - offs, 0), piece) * EB).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr + tl.where(nbytes > 0, offs, 0), nbytes], dtype=tl.int32,
-        is_pure=False, pack=1)
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 pol; setp.ne.u32 p, $2, 0; "
+            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr + tl.where(nbytes > 0, offs, 0), nbytes], dtype=tl.int32,
+            is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr + tl.where(nbytes > 0, offs, 0), nbytes], dtype=tl.int32,
+            is_pure=False, pack=1)
