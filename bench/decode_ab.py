@@ -165,6 +165,56 @@ def attention_tiles(cases=((64, 2048), (128, 1024), (32, 4096))) -> list[dict]:
     return rows
 
 
+SPLIT_CASES = [(1, 1024), (1, 4096), (4, 1024), (8, 1024), (8, 4096), (16, 1024), (16, 4096),
+               (32, 1024), (64, 1024)]
+SPLIT_TILES = [(128, 8, 3, False), (64, 4, 3, False), (32, 4, 2, True)]
+
+
+def attention_splits() -> list[dict]:
+    """Split count per tile for small and mid batches; each tile's output checked against
+    the current default's (max abs difference)."""
+    rows = []
+    for batch, ctx in SPLIT_CASES:
+        q, cache, bt, lens = _attn_inputs(batch, ctx)
+        nbytes = batch * ctx * HKV * D * 2 * 2
+        ref = da.paged_decode_attention(q, cache, bt, lens, D ** -0.5).float()
+        base = _graph_ms([lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5)] * 10) * 100
+        best = (base, "default")
+        for bn, nw, ns, pf in SPLIT_TILES:
+            for sp in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+                kw = dict(block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf, num_splits=sp)
+                fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, **kw)  # noqa: E731
+                err = (fn().float() - ref).abs().max().item()
+                us = _graph_ms([fn] * 10) * 100
+                rows.append({"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
+                             "GB/s": round(nbytes / us / 1e3), "max_err": err})
+                best = min(best, (us, str(kw)))
+        print(f"   b={batch} ctx={ctx}: default {base:.2f} us, best {best[0]:.2f} us {best[1]}; "
+              f"max err {max(r['max_err'] for r in rows if r['case'].endswith(f'b={batch} ctx={ctx}')):.2e}",
+              flush=True)
+        rows.append({"case": f"attn b={batch} ctx={ctx}", "cfg": "default", "us": round(base, 2)})
+        del q, cache, bt, lens
+    return rows
+
+
+def engine_tile_ab(shape: str, reps: int) -> list[dict]:
+    max_ctx = 2048
+    nb = 64 * (-(-(max_ctx + 1) // BS)) + 8
+    eng = make_engine(shape, 64, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
+    saved = da.BIG_BATCH_TILE
+
+    def tile(t):
+        return lambda: setattr(da, "BIG_BATCH_TILE", t)
+
+    rows = _ab(eng, shape, "attn big-batch tile off(A)/on(B)", [(1, 1024), (16, 1024), (32, 1024), (64, 1024), (64, 2048)],
+               tile(None), tile((128, 8, 3, False)), reps, max_ctx)
+    da.BIG_BATCH_TILE = saved
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def _ab(eng, shape: str, name: str, cases, set_a, set_b, reps: int, max_ctx: int) -> list[dict]:
     t = {c: {"A": [], "B": []} for c in cases}
     for _ in range(reps):
@@ -216,6 +266,8 @@ def main() -> None:
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--l2-diag", action="store_true", help="o_proj L2 residency diagnostic")
     ap.add_argument("--attn-tiles", action="store_true", help="decode attention tile/split sweep")
+    ap.add_argument("--attn-splits", action="store_true", help="split count per tile, small batches")
+    ap.add_argument("--tile-ab", default="", help="shapes for the engine big-batch tile A/B")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
@@ -223,7 +275,12 @@ def main() -> None:
     krows = [] if a.skip_kernel else attention_grid_order(a.reps)
     drows = l2_diag(a.reps) if a.l2_diag else []
     trows = attention_tiles() if a.attn_tiles else []
+    trows += attention_splits() if a.attn_splits else []
     erows = []
+    for shape in a.tile_ab.split(","):
+        if shape:
+            print(f"[{shape}] big-batch tile", flush=True)
+            erows += engine_tile_ab(shape, a.reps)
     for shape in a.shapes.split(","):
         if shape:
             print(f"[{shape}]", flush=True)

@@ -26,6 +26,14 @@ from engine.kernels.rotary import rotate_rows
 
 
 LOG2E = 1.4426950408889634
+# default tiles (block_n, num_warps, num_stages, register prefetch) and split rule
+DECODE_TILE_16BIT = (32, 4, 2, True)
+DECODE_TILE_FP8 = (64, 4, 2, False)
+SPLIT_PROGRAMS_PER_SM = 4
+# batches with >= this many (sequence, KV head) programs per SM: this tile and no split
+BIG_BATCH_TILE = None
+BIG_BATCH_PROGRAMS_PER_SM = 1.0
+MIN_TILES_PER_SPLIT = 4
 # grid order of the split kernel (see paged_decode_attention's heads_first)
 HEADS_FIRST_DEFAULT = False
 # L2 prefetch lines marked evict-last (experiment knob, bench/decode_ab.py)
@@ -208,15 +216,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_s
     """Splits so that num_seqs * num_kv_heads * splits fills the GPU ~4 programs per SM, capped
     so a split keeps >= 4 KV tiles. Shape-only => stable under CUDA-graph capture."""
     tiles = max(1, math.ceil(max_blocks * block_size / block_n))
-    want = math.ceil(4 * num_sms(device) / max(1, num_seqs * num_kv_heads))
-    return int(max(1, min(want, max(1, tiles // 4), 64)))
+    want = math.ceil(SPLIT_PROGRAMS_PER_SM * num_sms(device) / max(1, num_seqs * num_kv_heads))
+    return int(max(1, min(want, max(1, tiles // MIN_TILES_PER_SPLIT), 64)))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2,
+                           num_warps: int | None = None, num_stages: int | None = None,
                            prefetch: bool | None = None, new_kv: tuple | None = None,
                            l2_prefetch: torch.Tensor | None = None,
                            heads_first: bool | None = None) -> torch.Tensor:
@@ -250,10 +258,17 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     D_PAD = triton.next_power_of_2(D)
     # defaults from bench/kernels_gpu.py --sweep on H200 (bench/results/kernels_gpu-h200-*):
     # 16-bit KV: 32-token tiles with register prefetch; fp8 KV: 64-token tiles, no prefetch
-    if prefetch is None:
-        prefetch = not is_fp8
-    if block_n is None:
-        block_n = (64 if is_fp8 else 32) if D_PAD <= 128 else 32
+    big = (BIG_BATCH_TILE is not None and not is_fp8
+           and S * Hkv >= BIG_BATCH_PROGRAMS_PER_SM * num_sms(q.device))
+    tile = BIG_BATCH_TILE if big else DECODE_TILE_FP8 if is_fp8 else DECODE_TILE_16BIT
+    if D_PAD > 128:
+        tile = (32,) + tile[1:]
+    block_n = tile[0] if block_n is None else block_n
+    num_warps = tile[1] if num_warps is None else num_warps
+    num_stages = tile[2] if num_stages is None else num_stages
+    prefetch = tile[3] if prefetch is None else prefetch
+    if num_splits is None and big:
+        num_splits = 1
     if num_splits is None:
         num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device)
     rope = _check_new_kv(new_kv, q, kv_cache, is_fp8, D, D_PAD) if new_kv is not None else None
