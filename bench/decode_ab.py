@@ -1,14 +1,20 @@
-"""A/B of decode-path options on one GPU, with interleaved captures (A, B, A, B, ...) and
-medians, because re-capturing the same graph moves step times by up to 5% on the H200.
+"""Decode attention tuning and A/B on one GPU. Engine A/Bs interleave captures (A, B, A, B, ...)
+and take medians, because re-capturing the same graph moves step times by up to 5% on the H200.
 
-    python -m bench.decode_ab [--shapes llama-3.1-8b,llama-3.2-1b] [--reps 3]
+    python -m bench.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
 
-1. Kernel: paged decode attention grid order, (S, Hkv, splits) vs (Hkv, S, splits), on
-   scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed.
-2. Engine, whole decode steps replayed as CUDA graphs (random bf16 weights of the shape):
-   - o_proj weight L2 prefetch from the attention kernel, off vs on (fused path batches);
-   - attention grid order, at batch 64.
-Prints a table (median ms of each side, B/A) and writes bench/results/decode_ab-*.json.
+--attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
+prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
+each output checked against the default's. Engine: whole decode steps replayed as CUDA graphs
+(random bf16 weights), the previous 16-bit attention tile (A) vs the current default (B).
+Prints tables and writes bench/results/decode_ab-*.json.
+
+Also measured with this script on 2026-12-03 (H200) and dropped, both within noise or worse
+(bench/results/decode_ab-20261203T002416, -T023036): a heads-first grid order (Hkv, S,
+splits) for the decode kernel (+-0.5%), and an L2 bulk prefetch (cp.async.bulk.prefetch.L2)
+of o_proj's weight issued by the attention kernel before its grid-dependency wait (8B batch
+1: +1.3% step time; micro: o_proj 13.3 us from DRAM, still 8.7 us from L2, and the
+prefetch slowed attention by 3.3 us).
 """
 from __future__ import annotations
 
@@ -22,10 +28,8 @@ import torch
 import engine.kernels.decode_attention as da
 from bench.common import print_table, write_result
 from bench.engine_gpu_steps import copy_bandwidth_gbs, make_engine, time_decode
-from bench.timing import graph_time_ms
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-ATTN_CASES = [(1, 1024), (8, 1024), (32, 4096), (64, 2048), (128, 1024)]
 
 
 def _attn_inputs(batch: int, ctx: int):
@@ -35,26 +39,6 @@ def _attn_inputs(batch: int, ctx: int):
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     return q, cache, bt, lens
-
-
-def attention_grid_order(reps: int) -> list[dict]:
-    rows = []
-    for batch, ctx in ATTN_CASES:
-        q, cache, bt, lens = _attn_inputs(batch, ctx)
-        nbytes = batch * ctx * HKV * D * 2 * 2
-        t = {False: [], True: []}
-        for _ in range(reps):
-            for hf in (False, True):
-                fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, heads_first=hf)  # noqa: E731
-                t[hf].append(graph_time_ms([fn] * 20) * 1e3)
-        a, b = statistics.median(t[False]), statistics.median(t[True])
-        rows.append({"case": f"attn b={batch} ctx={ctx}", "A": "S-major", "B": "heads-first",
-                     "A_us": round(a, 2), "B_us": round(b, 2), "B/A": round(b / a, 3),
-                     "A_GB/s": round(nbytes / a / 1e3), "B_GB/s": round(nbytes / b / 1e3),
-                     "samples": {"A": t[False], "B": t[True]}})
-        print("  ", {k: v for k, v in rows[-1].items() if k != "samples"}, flush=True)
-        del q, cache, bt, lens
-    return rows
 
 
 def _graph_ms(fns, iters: int = 20) -> float:
@@ -76,63 +60,6 @@ def _graph_ms(fns, iters: int = 20) -> float:
         return cuda_time_ms(g.replay, iters=iters, warmup=3)
     finally:
         del g
-
-
-def l2_diag(reps: int, layers: int = 8) -> list[dict]:
-    """Does an L2-resident o_proj weight make o_proj faster, and does the attention kernel's
-    prefetch get it there? Per layer: an L2 flush (256 MB copy), then the ops; µs per layer
-    from differences of whole-graph times (Llama-3.1-8B o_proj, batch 1, ctx 1024)."""
-    from engine.kernels.skinny_gemm import skinny_linear
-
-    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.01 for _ in range(layers)]
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    res = torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16)
-    fa = torch.empty(128 << 20, device="cuda", dtype=torch.bfloat16)
-    fb = torch.empty_like(fa)
-    q, cache, bt, lens = _attn_inputs(1, 1024)
-
-    def flush():
-        fb.copy_(fa)
-
-    def o(i):
-        return lambda: skinny_linear(x, ws[i], residual=res, out=res)
-
-    def att(i, pf):
-        return lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5,
-                                                 l2_prefetch=ws[i] if pf else None)
-
-    seqs = {
-        "flush": lambda i: [flush],
-        "flush+o": lambda i: [flush, o(i)],
-        "flush+o+o": lambda i: [flush, o(i), o(i)],
-        "flush+attn": lambda i: [flush, att(i, False)],
-        "flush+attn(pf)": lambda i: [flush, att(i, True)],
-        "flush+attn+o": lambda i: [flush, att(i, False), o(i)],
-        "flush+attn(pf)+o": lambda i: [flush, att(i, True), o(i)],
-        "flush+attn(pf,evict_last)+o": lambda i: [flush, att(i, True), o(i)],
-    }
-    t = {k: [] for k in seqs}
-    for _ in range(reps):
-        for k, mk in seqs.items():
-            da.L2PF_EVICT_LAST = "evict_last" in k
-            fns = [f for i in range(layers) for f in mk(i)]
-            t[k].append(_graph_ms(fns) * 1e3 / layers)
-    da.L2PF_EVICT_LAST = False
-    m = {k: statistics.median(v) for k, v in t.items()}
-    derived = {
-        "o_proj cold (L2 flushed)": m["flush+o"] - m["flush"],
-        "o_proj warm (second read)": m["flush+o+o"] - m["flush+o"],
-        "attn": m["flush+attn"] - m["flush"],
-        "attn with prefetch issued": m["flush+attn(pf)"] - m["flush"],
-        "attn+o_proj": m["flush+attn+o"] - m["flush"],
-        "attn(pf)+o_proj": m["flush+attn(pf)+o"] - m["flush"],
-        "attn(pf evict_last)+o_proj": m["flush+attn(pf,evict_last)+o"] - m["flush"],
-    }
-    rows = [{"case": f"l2 {k}", "us": round(v, 2)} for k, v in derived.items()]
-    for r in rows:
-        print("  ", r, flush=True)
-    rows.append({"case": "l2 raw medians", "raw_us": {k: round(v, 2) for k, v in m.items()}})
-    return rows
 
 
 TILES = [(32, 4, 2, True), (32, 4, 3, True), (64, 4, 2, True), (64, 8, 2, True), (64, 4, 3, False),
@@ -197,18 +124,23 @@ def attention_splits() -> list[dict]:
     return rows
 
 
+OLD_TILE = da.DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
+
+
 def engine_tile_ab(shape: str, reps: int) -> list[dict]:
+    """Whole decode steps: the 16-bit decode attention tile before 2026-12-03 (A) vs the
+    current default (B)."""
     max_ctx = 2048
     nb = 64 * (-(-(max_ctx + 1) // BS)) + 8
     eng = make_engine(shape, 64, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
-    saved = da.BIG_BATCH_TILE
+    new = da.TILE_16BIT
 
     def tile(t):
-        return lambda: setattr(da, "BIG_BATCH_TILE", t)
+        return lambda: setattr(da, "TILE_16BIT", t)
 
-    rows = _ab(eng, shape, "attn big-batch tile off(A)/on(B)", [(1, 1024), (16, 1024), (32, 1024), (64, 1024), (64, 2048)],
-               tile(None), tile((128, 8, 3, False)), reps, max_ctx)
-    da.BIG_BATCH_TILE = saved
+    cases = [(1, 1024), (8, 1024), (16, 1024), (32, 1024), (64, 1024), (64, 2048)]
+    rows = _ab(eng, shape, "attn tile old(A)/new(B)", cases, tile(OLD_TILE), tile(new), reps, max_ctx)
+    da.TILE_16BIT = new
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -232,66 +164,29 @@ def _ab(eng, shape: str, name: str, cases, set_a, set_b, reps: int, max_ctx: int
     return rows
 
 
-def engine_ab(shape: str, reps: int) -> list[dict]:
-    cases_pf = [(1, 1024), (4, 1024), (16, 1024)]
-    cases_grid = [(1, 1024), (64, 2048)]
-    max_ctx = 2048
-    nb = 64 * (-(-(max_ctx + 1) // BS)) + 8
-    eng = make_engine(shape, 64, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
-    model = eng.runner.model
-    rows = []
-
-    def pf(on):
-        return lambda: setattr(model, "decode_l2_prefetch", on)
-
-    rows += _ab(eng, shape, "o_proj L2 prefetch off(A)/on(B)", cases_pf, pf(False), pf(True), reps, max_ctx)
-    saved = da.HEADS_FIRST_DEFAULT
-
-    def grid(hf):
-        return lambda: setattr(da, "HEADS_FIRST_DEFAULT", hf)
-
-    rows += _ab(eng, shape, "attn grid S-major(A)/heads-first(B)", cases_grid, grid(False), grid(True),
-                reps, max_ctx)
-    da.HEADS_FIRST_DEFAULT = saved
-    del eng, model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
+    ap.add_argument("--shapes", default="llama-3.1-8b",
+                    help="shapes for the engine A/B of the attention tile ('' to skip)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--skip-kernel", action="store_true")
-    ap.add_argument("--l2-diag", action="store_true", help="o_proj L2 residency diagnostic")
-    ap.add_argument("--attn-tiles", action="store_true", help="decode attention tile/split sweep")
-    ap.add_argument("--attn-splits", action="store_true", help="split count per tile, small batches")
-    ap.add_argument("--tile-ab", default="", help="shapes for the engine big-batch tile A/B")
+    ap.add_argument("--attn-tiles", action="store_true", help="tile sweep, batches 32-128")
+    ap.add_argument("--attn-splits", action="store_true", help="split count per tile, batches 1-64")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    krows = [] if a.skip_kernel else attention_grid_order(a.reps)
-    drows = l2_diag(a.reps) if a.l2_diag else []
     trows = attention_tiles() if a.attn_tiles else []
     trows += attention_splits() if a.attn_splits else []
     erows = []
-    for shape in a.tile_ab.split(","):
-        if shape:
-            print(f"[{shape}] big-batch tile", flush=True)
-            erows += engine_tile_ab(shape, a.reps)
     for shape in a.shapes.split(","):
         if shape:
-            print(f"[{shape}]", flush=True)
-            erows += engine_ab(shape, a.reps)
-    if krows:
-        print_table(krows, ["case", "A_us", "B_us", "B/A", "A_GB/s", "B_GB/s"])
+            print(f"[{shape}] attention tile A/B", flush=True)
+            erows += engine_tile_ab(shape, a.reps)
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
-                        {"attention": krows, "engine": erows, "l2_diag": drows, "attn_tiles": trows})
+                        {"engine": erows, "attn_tiles": trows})
     print("wrote", path)
 
 

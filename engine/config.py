@@ -102,9 +102,6 @@ class DeviceConfig:
     # kernels (norm / silu / residual fused); larger batches use cuBLAS. None: the tuned
     # default (engine.kernels.skinny_configs.DEFAULT_MAX_M); 0: off. CUDA only.
     skinny_gemm_max_batch: int | None = None
-    # On the fused decode path, each layer's attention kernel prefetches o_proj's weight into
-    # L2 while it runs (sm_90+, Triton backend; a hint with no effect on results).
-    decode_l2_prefetch: bool = True
 
     def __post_init__(self) -> None:
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

@@ -75,7 +75,6 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphRunner once captured
         self.prefill_graphs = None  # PrefillGraphRunner once captured
         model.skinny_max_m, model.skinny_rows = self._skinny_batches()
-        model.decode_l2_prefetch = cfg.device.decode_l2_prefetch
 
     def _skinny_batches(self) -> tuple[int, frozenset[int] | None]:
         """(max rows, the row counts <= max that take the fused path or None for all)."""

@@ -13,6 +13,7 @@ NOTE: a sequence with seq_len 0 (graph padding) produces a zero output row.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -21,23 +22,10 @@ import triton.language as tl
 
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
-from engine.kernels.prefetch import PF_PIECES, bulk_prefetch_supported, l2_prefetch_share, prefetch_span
 from engine.kernels.rotary import rotate_rows
 
 
 LOG2E = 1.4426950408889634
-# default tiles (block_n, num_warps, num_stages, register prefetch) and split rule
-DECODE_TILE_16BIT = (32, 4, 2, True)
-DECODE_TILE_FP8 = (64, 4, 2, False)
-SPLIT_PROGRAMS_PER_SM = 4
-# batches with >= this many (sequence, KV head) programs per SM: this tile and no split
-BIG_BATCH_TILE = None
-BIG_BATCH_PROGRAMS_PER_SM = 1.0
-MIN_TILES_PER_SPLIT = 4
-# grid order of the split kernel (see paged_decode_attention's heads_first)
-HEADS_FIRST_DEFAULT = False
-# L2 prefetch lines marked evict-last (experiment knob, bench/decode_ab.py)
-L2PF_EVICT_LAST = False
 
 
 @triton.jit
@@ -59,36 +47,20 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          stride_ot, stride_oh,
                          kn_ptr, vn_ptr, cos_ptr, sin_ptr, idx_ptr, slot_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                         pf_ptr, pf_numel,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
-                         L2PF: tl.constexpr, HEADS_FIRST: tl.constexpr,
-                         L2PF_EVICT_LAST: tl.constexpr = False):
-    if HEADS_FIRST:  # grid (Hkv, S, splits): one sequence's KV heads run side by side
-        kvh = tl.program_id(0)
-        s = tl.program_id(1)
-        n_kvh = tl.num_programs(0)
-    else:  # grid (S, Hkv, splits)
-        s = tl.program_id(0)
-        kvh = tl.program_id(1)
-        n_kvh = tl.num_programs(1)
-    split = tl.program_id(2)
+                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
         # The next kernel (o_proj or the reduce pass, launched with PDL) may start now; it
         # waits for this grid's completion before reading the attention output.
         gdc_launch_dependents()
-    if L2PF:
-        # the next matmul's weight (read-only): its L2 fill overlaps this kernel and the
-        # previous one's tail (see engine/kernels/prefetch.py)
-        pid = (split * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        l2_prefetch_share(pf_ptr, pf_numel, pid, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2),
-                          PF_PIECES, L2PF_EVICT_LAST)
-    if PDL:
         gdc_wait()
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + s)
 
     # this split's context slice: whole BLOCK_N tiles, [start, end)
@@ -181,7 +153,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     else:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         # partial buffers: o [S, Hq, num_splits, D_PAD] fp32, lse [S, Hq, num_splits] fp32
-        row = (s.to(tl.int64) * (G * n_kvh) + heads) * num_splits + split
+        row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
@@ -211,13 +183,46 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
              mask=offs_d < D)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """Launch shape of the split kernel and its split rule: at most `programs_per_sm` x SMs
+    programs (ONE wave: a second, partial wave of long programs costs more than shorter
+    splits), splits of at least `min_tiles_per_split` KV tiles."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool  # manual register double buffering of the next K/V tile
+    programs_per_sm: int
+    min_tiles_per_split: int
+
+
+# H200, 2026-12-03 (bench/decode_ab.py --attn-tiles --attn-splits, Llama-3.1-8B heads,
+# scattered blocks; bench/results/decode_ab-20261203T023036 / -T023334): 128-token tiles on
+# 8 warps with 3 pipeline stages and one wave of <= 2 programs per SM beat the earlier
+# 32-token / 4-warp / ~4-programs-per-SM default at every batch: b=64 ctx2048 153 -> 117 us
+# (3.50 -> 4.58 TB/s), b=32 ctx4096 142 -> 122 us, b=16 ctx1024 30 -> 18 us, b=1 ctx1024
+# 7.4 -> 6.9 us. fp8 and head_dim > 128 keep the earlier (unre-measured) tiles.
+TILE_16BIT = DecodeTile(128, 8, 3, False, programs_per_sm=2, min_tiles_per_split=1)
+TILE_FP8 = DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=4)
+TILE_WIDE_HEAD = DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
+
+
+def default_tile(is_fp8: bool, head_dim_pad: int) -> DecodeTile:
+    if head_dim_pad > 128:
+        return TILE_WIDE_HEAD
+    return TILE_FP8 if is_fp8 else TILE_16BIT
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                      block_n: int, device: torch.device) -> int:
-    """Splits so that num_seqs * num_kv_heads * splits fills the GPU ~4 programs per SM, capped
-    so a split keeps >= 4 KV tiles. Shape-only => stable under CUDA-graph capture."""
+                      block_n: int, device: torch.device, programs_per_sm: int = 2,
+                      min_tiles_per_split: int = 1) -> int:
+    """Splits so that num_seqs * num_kv_heads * splits stays within one wave of
+    programs_per_sm programs per SM, each split keeping >= min_tiles_per_split KV tiles
+    (of block_n tokens). Shape-only (max_blocks is the block table's width, not the live
+    lengths) => stable under CUDA-graph capture."""
     tiles = max(1, math.ceil(max_blocks * block_size / block_n))
-    want = math.ceil(SPLIT_PROGRAMS_PER_SM * num_sms(device) / max(1, num_seqs * num_kv_heads))
-    return int(max(1, min(want, max(1, tiles // MIN_TILES_PER_SPLIT), 64)))
+    want = (programs_per_sm * num_sms(device)) // max(1, num_seqs * num_kv_heads)
+    return int(max(1, min(want, tiles // max(1, min_tiles_per_split), 64)))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -225,20 +230,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: bool | None = None, new_kv: tuple | None = None,
-                           l2_prefetch: torch.Tensor | None = None,
-                           heads_first: bool | None = None) -> torch.Tensor:
+                           prefetch: bool | None = None, new_kv: tuple | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`).
     new_kv = (k, v, cos, sin, token_index, slot_mapping): fused rotary + KV append: q and k
     are the UN-rotated projections (k, v: [num_seqs, Hkv, D]; cos/sin rows token_index[i];
     slot -1 writes nothing); the kernel rotates q, writes rotated k and v to the cache at
     slot_mapping[i] and attends, replacing engine.kernels.rope_kv_write + this kernel
-    (16-bit caches, power-of-two head_dim, full rotary). q is not modified.
-    l2_prefetch: a read-only tensor the next kernel streams (o_proj's weight): the programs
-    prefetch it into L2 before waiting on the previous kernel (sm_90+; ignored elsewhere).
-    heads_first: grid order (Hkv, S, splits) instead of (S, Hkv, splits), so the programs
-    resident together read neighbouring heads of the same KV blocks."""
+    (16-bit caches, power-of-two head_dim, full rotary). q is not modified."""
     S, Hq, D = q.shape
     _, _, BS, Hkv, Dc = kv_cache.shape
     if Dc != D or Hq % Hkv:
@@ -256,21 +255,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         return out
     G = Hq // Hkv
     D_PAD = triton.next_power_of_2(D)
-    # defaults from bench/kernels_gpu.py --sweep on H200 (bench/results/kernels_gpu-h200-*):
-    # 16-bit KV: 32-token tiles with register prefetch; fp8 KV: 64-token tiles, no prefetch
-    big = (BIG_BATCH_TILE is not None and not is_fp8
-           and S * Hkv >= BIG_BATCH_PROGRAMS_PER_SM * num_sms(q.device))
-    tile = BIG_BATCH_TILE if big else DECODE_TILE_FP8 if is_fp8 else DECODE_TILE_16BIT
-    if D_PAD > 128:
-        tile = (32,) + tile[1:]
-    block_n = tile[0] if block_n is None else block_n
-    num_warps = tile[1] if num_warps is None else num_warps
-    num_stages = tile[2] if num_stages is None else num_stages
-    prefetch = tile[3] if prefetch is None else prefetch
-    if num_splits is None and big:
-        num_splits = 1
+    tile = default_tile(is_fp8, D_PAD)  # each argument left None takes the tile's value
+    block_n = tile.block_n if block_n is None else block_n
+    num_warps = tile.num_warps if num_warps is None else num_warps
+    num_stages = tile.num_stages if num_stages is None else num_stages
+    prefetch = tile.prefetch if prefetch is None else prefetch
     if num_splits is None:
-        num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device)
+        num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device,
+                                       tile.programs_per_sm, tile.min_tiles_per_split)
     rope = _check_new_kv(new_kv, q, kv_cache, is_fp8, D, D_PAD) if new_kv is not None else None
     if num_splits > 1:
         part_o = torch.empty((S, Hq, num_splits, D_PAD), dtype=torch.float32, device=q.device)
@@ -281,20 +273,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     vs = v_scale if is_fp8 else seq_lens
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
-    if heads_first is None:
-        heads_first = HEADS_FIRST_DEFAULT
-    pf_numel = prefetch_span(l2_prefetch) if bulk_prefetch_supported(q.device) else 0
-    grid = (Hkv, S, num_splits) if heads_first else (S, Hkv, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(S, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         *(rope if rope is not None else (q,) * 6 + (0,) * 5),
-        l2_prefetch if pf_numel else q, pf_numel,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl, ROPE=rope is not None,
-        L2PF=pf_numel > 0, HEADS_FIRST=bool(heads_first), L2PF_EVICT_LAST=L2PF_EVICT_LAST,
         num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](

@@ -90,12 +90,9 @@ class AttentionBackend:
 
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
                      kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     kv_scales: KVScales | None = None,
-                     prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_scales: KVScales | None = None) -> torch.Tensor:
         """forward() on un-rotated q / k: rope = (cos, sin, token_index) of this batch.
-        Backends may fuse the rotation into their KV write (Triton does).
-        prefetch: a hint, the weight the next op streams (o_proj's); a backend may start
-        pulling it into the GPU's L2 while attention runs (Triton does on sm_90+)."""
+        Backends may fuse the rotation into their KV write (Triton does)."""
         from engine.layers.rotary import rotate_qk
 
         q, k = rotate_qk(q, k, *rope)

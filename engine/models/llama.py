@@ -52,17 +52,15 @@ class Attention(torch.nn.Module):
         o = self.attend(rope, self.qkv_proj(x), kv_cache, meta, kv_scales)
         return self.o_proj(o)
 
-    def attend(self, rope, qkv, kv_cache, meta, kv_scales, prefetch=None):
-        """qkv [T, q+k+v] -> rope, KV write, attention -> [T, Hq * D] (before o_proj).
-        prefetch: hint passed to the backend (the next op's weight, see forward_rope)."""
+    def attend(self, rope, qkv, kv_cache, meta, kv_scales):
+        """qkv [T, q+k+v] -> rope, KV write, attention -> [T, Hq * D] (before o_proj)."""
         t = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(t, self.num_heads, self.head_dim)      # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # rotary + KV write + attention (the backend may fuse the rotation into its KV write)
-        o = self.backend.forward_rope(self.layer_idx, q, k, v, rope, kv_cache, meta, kv_scales,
-                                      prefetch=prefetch)  # [T, Hq, D]
+        o = self.backend.forward_rope(self.layer_idx, q, k, v, rope, kv_cache, meta, kv_scales)  # [T, Hq, D]
         return o.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -97,17 +95,15 @@ class DecoderLayer(torch.nn.Module):
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
 
-    def forward_fused(self, rope, res, kv_cache, meta, kv_scales, l2_prefetch: bool = False):
+    def forward_fused(self, rope, res, kv_cache, meta, kv_scales):
         """Decode fast path: `res` [T, H] is the residual stream, updated IN PLACE.
-        4 skinny-GEMM launches: norm+qkv, o_proj+residual, norm+gate_up+silu, down+residual.
-        l2_prefetch: attention pulls o_proj's weight into L2 while it runs (a hint)."""
+        4 skinny-GEMM launches: norm+qkv, o_proj+residual, norm+gate_up+silu, down+residual."""
         from engine.kernels.skinny_gemm import skinny_linear
 
         a, m = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv = skinny_linear(res, a.qkv_proj.weight, a.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
-        o = a.attend(rope, qkv, kv_cache, meta, kv_scales,
-                     prefetch=a.o_proj.weight if l2_prefetch else None)
+        o = a.attend(rope, qkv, kv_cache, meta, kv_scales)
         skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res)
         act = skinny_linear(res, m.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
         skinny_linear(act, m.down_proj.weight, residual=res, out=res)
@@ -138,10 +134,6 @@ class CausalLM(torch.nn.Module):
         # skinny_rows when set (the tuned table's winning batch sizes).
         self.skinny_max_m = 0
         self.skinny_rows: frozenset[int] | None = None
-        # fused path: each layer's attention prefetches o_proj's weight into L2 (a hint;
-        # only the Triton backend on sm_90+ acts on it). Set by the runner from
-        # DeviceConfig.decode_l2_prefetch.
-        self.decode_l2_prefetch = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -158,7 +150,7 @@ class CausalLM(torch.nn.Module):
         if self._use_skinny(h):
             # NOTE: h is a fresh tensor (embedding output): the fused path mutates it in place
             for i, layer in enumerate(self.layers):
-                layer.forward_fused(rope, h, kv_caches[i], meta, kv_scales, self.decode_l2_prefetch)
+                layer.forward_fused(rope, h, kv_caches[i], meta, kv_scales)
                 if hook is not None:
                     hook(i)
             return self.norm(h)
