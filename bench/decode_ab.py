@@ -28,6 +28,7 @@ import torch
 import engine.kernels.decode_attention as da
 from bench.common import print_table, write_result
 from bench.engine_gpu_steps import copy_bandwidth_gbs, make_engine, time_decode
+from bench.timing import graph_time_ms
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -39,27 +40,6 @@ def _attn_inputs(batch: int, ctx: int):
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     return q, cache, bt, lens
-
-
-def _graph_ms(fns, iters: int = 20) -> float:
-    """ms per replay of fns captured in order as one CUDA graph (median)."""
-    from bench.timing import cuda_time_ms
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    try:
-        return cuda_time_ms(g.replay, iters=iters, warmup=3)
-    finally:
-        del g
 
 
 TILES = [(32, 4, 2, True), (32, 4, 3, True), (64, 4, 2, True), (64, 8, 2, True), (64, 4, 3, False),
@@ -75,7 +55,7 @@ def attention_tiles(cases=((64, 2048), (128, 1024), (32, 4096))) -> list[dict]:
 
         def run(**kw):
             fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, **kw)  # noqa: E731
-            us = _graph_ms([fn] * 10) * 100
+            us = graph_time_ms([fn] * 10, iters=20) * 1e3
             r = {"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
                  "GB/s": round(nbytes / us / 1e3)}
             rows.append(r)
@@ -105,14 +85,15 @@ def attention_splits() -> list[dict]:
         q, cache, bt, lens = _attn_inputs(batch, ctx)
         nbytes = batch * ctx * HKV * D * 2 * 2
         ref = da.paged_decode_attention(q, cache, bt, lens, D ** -0.5).float()
-        base = _graph_ms([lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5)] * 10) * 100
+        base = graph_time_ms([lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5)] * 10,
+                             iters=20) * 1e3
         best = (base, "default")
         for bn, nw, ns, pf in SPLIT_TILES:
             for sp in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
                 kw = dict(block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf, num_splits=sp)
                 fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, **kw)  # noqa: E731
                 err = (fn().float() - ref).abs().max().item()
-                us = _graph_ms([fn] * 10) * 100
+                us = graph_time_ms([fn] * 10, iters=20) * 1e3
                 rows.append({"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
                              "GB/s": round(nbytes / us / 1e3), "max_err": err})
                 best = min(best, (us, str(kw)))
@@ -124,6 +105,8 @@ def attention_splits() -> list[dict]:
     return rows
 
 
+# the 16-bit tile before 2026-12-03; its split rule then rounded programs_per_sm x SMs / pairs
+# up (ceil) where the current rule rounds down, a difference of at most one split
 OLD_TILE = da.DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
 
 

@@ -40,7 +40,8 @@ def make_engine(shape: str, max_batch: int, max_ctx: int, eager: bool, backend: 
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=8192),
         device=DeviceConfig(device="cuda", enforce_eager=eager, attention_backend=backend,
                             cuda_graph_max_batch=max_batch,
-                            cuda_graph_max_prefill_tokens=2048 if prefill_graphs else 0))
+                            cuda_graph_max_prefill_tokens=(DeviceConfig.cuda_graph_max_prefill_tokens
+                                                           if prefill_graphs else 0)))
     return Engine(cfg)
 
 

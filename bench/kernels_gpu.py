@@ -6,7 +6,8 @@
    the Triton backend vs the torch backend, and a CUDA-graph capture/replay of the backend;
 2. device copy bandwidth (the memory-bound ceiling);
 3. paged decode attention GB/s (batch 32, ctx 4096, 32 q / 8 kv heads, d 128, bf16, block 16),
-   fp8 KV, torch reference + dense SDPA timings; --sweep tunes block_n / warps / stages / splits;
+   fp8 KV, torch reference + dense SDPA timings; --sweep tunes block_n / warps / stages / splits
+   at that shape (tiles x split counts over batches 1-128: bench/decode_ab.py);
 4. varlen prefill attention TFLOP/s (causal), vs dense SDPA; --sweep tunes tiles;
 5. KV write / RMSNorm / rotary bandwidth.
 Kernel timings are CUDA-graph replays (20 calls per graph, median of replays) so Python/Triton
@@ -280,25 +281,6 @@ def bench_decode(sweep: bool, batch: int = 32, ctx: int = 4096, bs: int = 16) ->
     return res
 
 
-def bench_decode_splits(tile: dict, cases=((1, 4096), (4, 4096), (8, 2048), (128, 1024))) -> list[dict]:
-    """Split-count calibration for other batch shapes (feeds choose_num_splits)."""
-    rows = []
-    for batch, ctx in cases:
-        kv, meta = make_batch([ctx] * batch, [1] * batch, 16, HKV, D, BF16, DEV)
-        q = torch.randn(batch, HQ, D, device=DEV, dtype=BF16)
-        nbytes = batch * ctx * HKV * D * 4
-        for sp in (None, 1, 2, 4, 8, 16, 32):
-            fn = lambda: paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, D ** -0.5,  # noqa: E731
-                                                num_splits=sp, **tile)
-            ms = time_cuda(fn, warmup=10, iters=30)
-            gms = time_graph(fn) or ms
-            rows.append({"batch": batch, "ctx": ctx, "num_splits": sp or "auto", "us_eager": ms * 1e3,
-                         "us": gms * 1e3, "GB/s": nbytes / gms / 1e6})
-        del kv
-    return rows
-
-
-# ---------------------------------------------------------------------------- prefill
 def bench_prefill(sweep: bool, nseq: int = 8, L: int = 2048, bs: int = 16) -> dict:
     res = {"config": {"num_seqs": nseq, "prompt_len": L, "num_heads": HQ, "num_kv_heads": HKV,
                       "head_dim": D, "dtype": "bf16", "block_size": bs, "causal": True}, "runs": []}
@@ -408,12 +390,6 @@ def main() -> int:
     show(dec["runs"], ["impl", "kv", "block_n", "num_warps", "num_stages", "prefetch", "num_splits",
                        "us_eager", "us",
                               "GB/s", "pct_copy"])
-    if args.sweep:
-        tile = {k: dec["best"][k] for k in ("block_n", "num_warps", "num_stages", "prefetch")
-                if k in dec["best"]}
-        data["decode_splits"] = bench_decode_splits(tile)
-        print("\n== decode split calibration, tile", tile)
-        show(data["decode_splits"], ["batch", "ctx", "num_splits", "us_eager", "us", "GB/s"])
     pre = bench_prefill(args.sweep, nseq=max(1, 8 // SHRINK), L=n(2048))
     data["prefill"] = pre
     print("\n== varlen prefill attention", pre["config"])

@@ -78,7 +78,7 @@ def test_split_rule_keeps_one_wave_and_a_tile_per_split(seqs, heads):
     for max_blocks in (1, 7, 64, 512):
         sp = choose_num_splits(seqs, heads, max_blocks, 16, 128, cpu, programs_per_sm=2)
         tiles = -(-max_blocks * 16 // 128)
-        assert 1 <= sp <= tiles or (sp == 1 and tiles == 1)
+        assert 1 <= sp <= tiles
         if sp > 1:
             assert seqs * heads * sp <= 2 * 8
         if tiles >= 16:  # enough context: the wave is filled as far as whole splits allow
