@@ -2,11 +2,14 @@
 and take medians, because re-capturing the same graph moves step times by up to 5% on the H200.
 
     python -m bench.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
+                              [--fused-ab]
 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
 prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
 each output checked against the default's. Engine: whole decode steps replayed as CUDA graphs
 (random bf16 weights), the previous 16-bit attention tile (A) vs the current default (B).
+--fused-ab: whole decode steps at 32-64 rows, the tuned table's matmul path (A: cuBLAS where
+the table says so) vs the fused skinny kernels for every batch up to 64 rows (B).
 Prints tables and writes bench/results/decode_ab-*.json.
 
 Also measured with this script on 2026-12-03 (H200) and dropped, both within noise or worse
@@ -130,6 +133,29 @@ def engine_tile_ab(shape: str, reps: int) -> list[dict]:
     return rows
 
 
+def engine_fused_ab(shape: str, reps: int) -> list[dict]:
+    """Whole decode steps: the tuned table's rows for the fused path (A) vs fused up to 64 (B)."""
+    max_ctx = 2048
+    nb = 64 * (-(-(max_ctx + 1) // BS)) + 8
+    eng = make_engine(shape, 64, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
+    model = eng.runner.model
+    tuned = (model.skinny_max_m, model.skinny_rows)
+
+    def rows(max_m, allowed):
+        def set_rows():
+            model.skinny_max_m, model.skinny_rows = max_m, allowed
+        return set_rows
+
+    cases = [(32, 1024), (48, 2048), (64, 1024), (64, 2048)]
+    out = _ab(eng, shape, "matmuls tuned(A)/fused<=64(B)", cases, rows(*tuned), rows(64, None),
+              reps, max_ctx)
+    model.skinny_max_m, model.skinny_rows = tuned
+    del eng, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def _ab(eng, shape: str, name: str, cases, set_a, set_b, reps: int, max_ctx: int) -> list[dict]:
     t = {c: {"A": [], "B": []} for c in cases}
     for _ in range(reps):
@@ -154,6 +180,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--attn-tiles", action="store_true", help="tile sweep, batches 32-128")
     ap.add_argument("--attn-splits", action="store_true", help="split count per tile, batches 1-64")
+    ap.add_argument("--fused-ab", action="store_true",
+                    help="engine A/B of the matmul path at 32-64 rows instead of the tile A/B")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
@@ -163,11 +191,11 @@ def main() -> None:
     erows = []
     for shape in a.shapes.split(","):
         if shape:
-            print(f"[{shape}] attention tile A/B", flush=True)
-            erows += engine_tile_ab(shape, a.reps)
+            print(f"[{shape}] {'matmul path' if a.fused_ab else 'attention tile'} A/B", flush=True)
+            erows += (engine_fused_ab if a.fused_ab else engine_tile_ab)(shape, a.reps)
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
-    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "copy_gbs": round(bw, 1),
+    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)

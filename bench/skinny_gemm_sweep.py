@@ -103,6 +103,13 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
                     c = SkinnyConfig(bn, bk, 4, st, True, split, px, sep)
                     if c.smem_bytes(m, silu) <= SMEM_LIMIT:
                         out.append(c)
+    if m >= 32:  # many rows: wider/narrower tiles, 8 warps, shallower/deeper pipelines
+        for bn, bk, w, st in ((16, 128, 4, 4), (16, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3),
+                              (64, 128, 8, 3), (64, 64, 4, 5), (32, 64, 4, 6), (32, 128, 4, 2)):
+            for sep in ((False, True) if norm else (False,)):
+                c = SkinnyConfig(bn, bk, w, st, True, 1, False, sep)
+                if c.smem_bytes(m, silu) <= SMEM_LIMIT:
+                    out.append(c)
     return out
 
 

@@ -3,7 +3,10 @@ torch.profiler (CUPTI records the kernels a graph replay launches): kernel time 
 launches per step, and the gap = step wall time - summed kernel time (launch latency,
 dependency waits, host staging), which PDL and fewer kernels per layer attack.
 
-    python -m bench.step_profile [--cases llama-3.2-1b:1:1024,llama-3.1-8b:64:2048]
+    python -m bench.step_profile [--cases llama-3.2-1b:1:1024,llama-3.1-8b:64:2048:fused]
+
+A case's optional 4th field `fused` runs the fused skinny matmuls for every batch up to 64
+rows (else the tuned table decides, as in serving).
 """
 from __future__ import annotations
 
@@ -30,9 +33,13 @@ def kind_of(name: str) -> str:
 
 
 @torch.inference_mode()
-def profile_case(shape: str, batch: int, ctx: int, steps: int = 20) -> list[dict]:
-    eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8)
+def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool = False) -> list[dict]:
+    eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
+                      prefill_graphs=False)
     r = eng.runner
+    if fused:
+        r.model.skinny_max_m, r.model.skinny_rows = 64, None
+        r.maybe_capture_graphs(eng.max_model_len, r.model.attn_backend.name)
     ids, _, meta = decode_inputs(eng, batch, ctx)
     bt = meta.block_tables.tolist()
     rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
@@ -51,7 +58,7 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20) -> list[dict
         per_name[e.key][0] += t / steps  # us per step
         per_name[e.key][1] += e.count / steps
     kern_us = sum(v[0] for v in per_name.values())
-    case = f"{shape} b={batch} ctx={ctx}"
+    case = f"{shape} b={batch} ctx={ctx}" + (" fused" if fused else "")
     out = [{"case": case, "kernel": k[:70], "kind": kind_of(k), "us_per_step": round(v[0], 1),
             "launches_per_step": round(v[1], 1)}
            for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])]
@@ -77,8 +84,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for spec in a.cases.split(","):
-        shape, b, c = spec.split(":")
-        got = profile_case(shape, int(b), int(c))
+        shape, b, c, *flag = spec.split(":")
+        got = profile_case(shape, int(b), int(c), fused=flag == ["fused"])
         print_table(got, ["case", "kernel", "kind", "us_per_step", "launches_per_step"])
         rows += got
     print("wrote", write_result("step_profile", {"cases": a.cases, "dtype": "bf16"}, {"rows": rows}))
