@@ -8,8 +8,9 @@ and take medians, because re-capturing the same graph moves step times by up to 
 prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
 each output checked against the default's. Engine: whole decode steps replayed as CUDA graphs
 (random bf16 weights), the previous 16-bit attention tile (A) vs the current default (B).
---fused-ab: whole decode steps at 32-64 rows, the tuned table's matmul path (A: cuBLAS where
-the table says so) vs the fused skinny kernels for every batch up to 64 rows (B).
+--fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
+to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
+table says).
 Prints tables and writes bench/results/decode_ab-*.json.
 
 Also measured with this script on 2026-12-03 (H200) and dropped, both within noise or worse
@@ -134,7 +135,7 @@ def engine_tile_ab(shape: str, reps: int) -> list[dict]:
 
 
 def engine_fused_ab(shape: str, reps: int) -> list[dict]:
-    """Whole decode steps: the tuned table's rows for the fused path (A) vs fused up to 64 (B)."""
+    """Whole decode steps: fused path up to 16 rows, cuBLAS above (A) vs fused up to 64 (B)."""
     max_ctx = 2048
     nb = 64 * (-(-(max_ctx + 1) // BS)) + 8
     eng = make_engine(shape, 64, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
@@ -146,8 +147,8 @@ def engine_fused_ab(shape: str, reps: int) -> list[dict]:
             model.skinny_max_m, model.skinny_rows = max_m, allowed
         return set_rows
 
-    cases = [(32, 1024), (48, 2048), (64, 1024), (64, 2048)]
-    out = _ab(eng, shape, "matmuls tuned(A)/fused<=64(B)", cases, rows(*tuned), rows(64, None),
+    cases = [(24, 1024), (32, 1024), (48, 2048), (64, 1024), (64, 2048)]
+    out = _ab(eng, shape, "matmuls cuBLAS(A)/fused(B)", cases, rows(16, None), rows(64, None),
               reps, max_ctx)
     model.skinny_max_m, model.skinny_rows = tuned
     del eng, model

@@ -64,7 +64,7 @@ def load_table(device_name: str) -> dict | None:
 
 
 def lookup(device_name: str, m: int, n: int, k: int, silu: bool) -> tuple | None:
-    """(block_n, block_k, num_warps, num_stages, use_dot) or None."""
+    """The table's cfg for this shape (a tile tuple, or ("cublas",)) or None."""
     t = load_table(device_name)
     if t is None:
         return None
@@ -111,6 +111,20 @@ class SkinnyConfig:
     # per-chunk register work (x^2 sums, * g, the x tile through registers into the dot)
     # costs more than one extra launch
     norm_separate: bool = False
+    # this op runs on cuBLAS inside the fused path (rmsnorm kernel, F.linear, torch epilogues):
+    # where the tuned table found cuBLAS faster for one op of a batch size the others win
+    # (table cfg ["cublas"]); the tile fields are unused
+    cublas: bool = False
+
+    @classmethod
+    def from_table(cls, cfg) -> "SkinnyConfig":
+        """A tuned table's cfg list: tile fields, or ["cublas"]."""
+        return CUBLAS if list(cfg) == ["cublas"] else cls(*cfg)
+
+    def to_table(self) -> list:
+        return ["cublas"] if self.cublas else [self.block_n, self.block_k, self.num_warps,
+                                               self.num_stages, self.use_dot, self.split_k,
+                                               self.prefetch_x, self.norm_separate]
 
     def k_split(self, k: int) -> tuple[int, int]:
         """(splits, K per split): K per split is a multiple of block_k and no split is empty."""
@@ -130,6 +144,9 @@ class SkinnyConfig:
         return self.num_stages * self.block_k * elem * (self.block_m(m) + self.block_n * (2 if silu else 1))
 
 
+CUBLAS = SkinnyConfig(0, 0, 0, 0, False, cublas=True)
+
+
 @functools.lru_cache(maxsize=4096)  # called per matmul launch on the eager path
 def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> SkinnyConfig:
     """The tuned table's config for this GPU and shape, else a heuristic: memory-bound, so aim for several programs per SM (each SM must keep
@@ -138,7 +155,7 @@ def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = Fa
     if device.type == "cuda":
         hit = lookup(_device_name(device), m, n, k, silu)
         if hit is not None:
-            return SkinnyConfig(*hit)
+            return SkinnyConfig.from_table(hit)
     sms = num_sms(device)
     use_dot = m > 4
     if use_dot:

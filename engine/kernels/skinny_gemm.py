@@ -304,6 +304,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0:
         return out
     cfg = config or default_config(M, N, K, x.device, silu)
+    if cfg.cublas:
+        return _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out)
     if norm_weight is not None and cfg.norm_separate:
         from engine.kernels.rmsnorm import rms_norm
 
@@ -335,3 +337,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         PREC=dot_precision(torch.float32 if upcast else weight.dtype), UPCAST=upcast,
         PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     return out
+
+
+def _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out):
+    """The same op unfused: rmsnorm kernel, cuBLAS matmul, torch epilogues, each rounded to
+    the activation dtype like HF (where the tuned table found cuBLAS faster for this op)."""
+    if norm_weight is not None:
+        from engine.kernels.rmsnorm import rms_norm
+
+        x = rms_norm(x, norm_weight, eps)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if silu:
+        n = out.shape[1]
+        return torch.mul(torch.nn.functional.silu(y[:, :n]), y[:, n:], out=out)
+    if residual is not None:
+        return torch.add(y, residual, out=out)
+    return out.copy_(y)
