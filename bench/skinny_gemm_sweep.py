@@ -20,6 +20,7 @@ whose tuned bucket, the smallest tuned M >= its rows, is in fused_m).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import torch
@@ -121,10 +122,11 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
 def cfg_name(c: SkinnyConfig) -> str:
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
             + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" px" if c.prefetch_x else "")
-            + (" norm-sep" if c.norm_separate else ""))
+            + (" norm-sep" if c.norm_separate else "")
+            + (f" streamk{c.programs_per_sm}" if c.programs_per_sm else ""))
 
 
-def bench_op(shape, op, m, log_rows):
+def bench_op(shape, op, m, log_rows, stream_k=True):
     name, n, k, norm, silu, resid, f32 = op
     nw = 2 * n if silu else n
     wbytes = nw * k * 2
@@ -151,7 +153,8 @@ def bench_op(shape, op, m, log_rows):
 
     want = unfused(ws[0]).float()
     results = {}
-    for c in candidates(m, n, k, norm, silu):
+
+    def run(c):
         try:
             r0 = res.clone() if resid else None
             got = skinny_linear(x, ws[0], norm_weight=g, eps=1e-5, silu=silu, residual=r0,
@@ -159,10 +162,19 @@ def bench_op(shape, op, m, log_rows):
             err = ((got - want).norm() / want.norm()).item()
             if not err < 3e-2:
                 results[cfg_name(c)] = (c, float("nan"), f"wrong: rel err {err:.3g}")
-                continue
+                return
             results[cfg_name(c)] = (c, graph_time_us([lambda w=w, c=c: fused(w, c) for w in ws]), None)
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             results[cfg_name(c)] = (c, float("nan"), repr(e)[:100])
+
+    for c in candidates(m, n, k, norm, silu):
+        run(c)
+    if stream_k:  # the stream-K schedule of the 3 best tile grids, a few grid sizes each
+        top = sorted((v[1], key) for key, v in results.items() if v[1] == v[1])[:3]
+        for _, key in top:
+            for pps in ((1, 2, 3, 4) if results[key][0].use_dot else (2, 4, 8, 16)):
+                run(dataclasses.replace(results[key][0], split_k=1, prefetch_x=False,
+                                    programs_per_sm=pps))
     got = skinny_linear(x, ws[0], norm_weight=g, eps=1e-5, silu=silu, config=CUBLAS,
                         residual=res.clone() if resid else None, out_dtype=out.dtype).float()
     assert ((got - want).norm() / want.norm()).item() < 3e-2, "the CUBLAS route is wrong"
@@ -236,6 +248,7 @@ def main() -> None:
     ap.add_argument("--m", default="1,16,64")
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--write-table", action="store_true")
+    ap.add_argument("--no-stream-k", action="store_true", help="tile grids only")
     a = ap.parse_args()
     torch.manual_seed(0)
     rgbs = read_gbs()
@@ -245,7 +258,7 @@ def main() -> None:
     for shape in a.shapes.split(","):
         for m in ms:
             for op in ops(shape):
-                bench_op(shape, op, m, rows)
+                bench_op(shape, op, m, rows, stream_k=not a.no_stream_k)
         if a.write_table:  # after each shape: a run cut short still leaves a table
             print("wrote table", write_table(rows, ms), flush=True)
     for shape in a.shapes.split(","):

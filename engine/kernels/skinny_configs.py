@@ -115,6 +115,9 @@ class SkinnyConfig:
     # where the tuned table found cuBLAS faster for one op of a batch size the others win
     # (table cfg ["cublas"]); the tile fields are unused
     cublas: bool = False
+    # > 0: stream-K schedule (engine/kernels/skinny_streamk.py), a persistent grid of about
+    # programs_per_sm x SMs programs, each an equal run of (tile, K chunk) units (split_k unused)
+    programs_per_sm: int = 0
 
     @classmethod
     def from_table(cls, cfg) -> "SkinnyConfig":
@@ -122,9 +125,11 @@ class SkinnyConfig:
         return CUBLAS if list(cfg) == ["cublas"] else cls(*cfg)
 
     def to_table(self) -> list:
-        return ["cublas"] if self.cublas else [self.block_n, self.block_k, self.num_warps,
-                                               self.num_stages, self.use_dot, self.split_k,
-                                               self.prefetch_x, self.norm_separate]
+        if self.cublas:
+            return ["cublas"]
+        return [self.block_n, self.block_k, self.num_warps, self.num_stages, self.use_dot,
+                self.split_k, self.prefetch_x, self.norm_separate] + (
+                    [False, self.programs_per_sm] if self.programs_per_sm else [])
 
     def k_split(self, k: int) -> tuple[int, int]:
         """(splits, K per split): K per split is a multiple of block_k and no split is empty."""

@@ -1,0 +1,98 @@
+"""Shared Triton pieces of the skinny decode GEMM: weight / activation chunk loads, the
+multiply-accumulate of one K chunk (with the fused norm prologue), and the epilogues. Used
+by the tile grid (engine/kernels/skinny_gemm.py) and the stream-K schedule
+(engine/kernels/skinny_streamk.py); see skinny_gemm.py's docstring for what each does."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU: tl.constexpr, EVEN_K: tl.constexpr,
+            EVEN_N: tl.constexpr):
+    """Weight tile(s) [BLOCK_N, BLOCK_K] for K offsets offs_k (the 'up' tile too with SILU)."""
+    if EVEN_K:
+        if EVEN_N:
+            w = tl.load(w_rows + offs_k[None, :])
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    wu = w
+    if SILU:
+        if EVEN_K:
+            if EVEN_N:
+                wu = tl.load(u_rows + offs_k[None, :])
+            else:
+                wu = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            wu = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
+                         other=0.0)
+    return w, wu
+
+
+@triton.jit
+def _load_x(x_rows, offs_k, m_mask, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+    return tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k, K, NORM: tl.constexpr,
+         SILU: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+         UPCAST: tl.constexpr):
+    """One K chunk: x [BLOCK_M, BLOCK_K] (scaled by the norm weight with NORM); accumulate
+    x . w^T (and x . wu^T)."""
+    xf = x.to(tl.float32)
+    if NORM:
+        # NOTE: elementwise; reduced once after the K loop (a per-chunk tl.sum is a CTA-wide
+        # reduction through shared memory with barriers, measured ~30% slower on the H200)
+        ssq2 += xf * xf
+        if EVEN_K:
+            g = tl.load(nw_ptr + offs_k)
+        else:
+            g = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0)
+        xf = xf * g.to(tl.float32)[None, :]
+    if USE_DOT:
+        if UPCAST:
+            acc += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision=PREC)
+            if SILU:
+                acc_u += tl.dot(xf, tl.trans(wu.to(tl.float32)), input_precision=PREC)
+        else:
+            xd = xf.to(w.dtype)
+            acc += tl.dot(xd, tl.trans(w), input_precision=PREC)
+            if SILU:
+                acc_u += tl.dot(xd, tl.trans(wu), input_precision=PREC)
+    else:
+        # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K]; reduced over K after the loop
+        acc += w.to(tl.float32)[None, :, :] * xf[:, None, :]
+        if SILU:
+            acc_u += wu.to(tl.float32)[None, :, :] * xf[:, None, :]
+    return acc, acc_u, ssq2
+
+
+@triton.jit
+def _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bias_ptr, K,
+              stride_om, stride_rm, eps, x_dtype: tl.constexpr, NORM: tl.constexpr,
+              SILU: tl.constexpr, RESID: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y, y_u [BLOCK_M, BLOCK_N] fp32 full dot products; ssq [BLOCK_M] sum of x^2 over K."""
+    if NORM:
+        rstd = tl.rsqrt(ssq / K + eps)
+        y = y * rstd[:, None]
+        y_u = y_u * rstd[:, None]
+    if HAS_BIAS:
+        y = (y + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :])
+    if SILU:  # HF rounds each op's output to the activation dtype
+        gate = y.to(x_dtype).to(tl.float32)
+        up = y_u.to(x_dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_dtype).to(tl.float32)
+        y = act * up
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if RESID:
+        r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
+                    mask=out_mask, other=0.0)
+        y = y.to(x_dtype).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=out_mask)
