@@ -21,7 +21,7 @@ for s in $steps; do
     gtests)
       timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_gtests.log" | tail -8 ;;
     ktests)
-      SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+      SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels/test_skinny_gemm.py tests/kernels/test_model_skinny.py \
         tests/kernels/test_decode_attention.py tests/kernels/test_attention_triton.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
     ab)

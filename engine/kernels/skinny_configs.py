@@ -115,9 +115,6 @@ class SkinnyConfig:
     # where the tuned table found cuBLAS faster for one op of a batch size the others win
     # (table cfg ["cublas"]); the tile fields are unused
     cublas: bool = False
-    # > 0: stream-K schedule (engine/kernels/skinny_streamk.py), a persistent grid of about
-    # programs_per_sm x SMs programs, each an equal run of (tile, K chunk) units (split_k unused)
-    programs_per_sm: int = 0
 
     @classmethod
     def from_table(cls, cfg) -> "SkinnyConfig":
@@ -128,8 +125,7 @@ class SkinnyConfig:
         if self.cublas:
             return ["cublas"]
         return [self.block_n, self.block_k, self.num_warps, self.num_stages, self.use_dot,
-                self.split_k, self.prefetch_x, self.norm_separate] + (
-                    [False, self.programs_per_sm] if self.programs_per_sm else [])
+                self.split_k, self.prefetch_x, self.norm_separate]
 
     def k_split(self, k: int) -> tuple[int, int]:
         """(splits, K per split): K per split is a multiple of block_k and no split is empty."""

@@ -34,6 +34,13 @@ BLOCK_K, so it suits M <= 8 with small tiles). The FMA path can use BLOCK_N down
 rows, which gives the N=2048..4096 matmuls enough programs to fill the GPU without split-K;
 the dot path cannot go below 16 rows.
 
+Tried and dropped (H200, 2026-12-03, bench/results/skinny_gemm_sweep-20261203T035403.json):
+a stream-K schedule (a persistent grid of 1-16 programs per SM, each an equal run of
+(tile, K chunk) units, split tiles reduced in rank order) on the 3 best tiles of every op
+at 1 and 64 rows: never more than 1% faster than the tile grid (within noise), often
+slower; so a tile count that leaves a partial last wave is not what holds these matmuls
+below the read ceiling.
+
 NOTE: rounding differs from the unfused torch sequence by ~1 bf16 ulp (the norm's scale is
 applied after the dot product, not before it); the torch reference below is the oracle.
 """
@@ -225,12 +232,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
     if pdl is None:
         pdl = pdl_supported(x.device)
-    if cfg.programs_per_sm > 0:
-        from engine.kernels.skinny_streamk import launch_streamk
-
-        return launch_streamk(x, weight, out, residual, norm_weight, bias, eps, silu, cfg, bm,
-                              upcast, dot_precision(torch.float32 if upcast else weight.dtype),
-                              pdl, _locks)
     launch = {"launch_pdl": True} if pdl else {}
     n_tiles = triton.cdiv(N, cfg.block_n)
     splits, k_per = cfg.k_split(K)

@@ -1,7 +1,6 @@
-"""Shared Triton pieces of the skinny decode GEMM: weight / activation chunk loads, the
-multiply-accumulate of one K chunk (with the fused norm prologue), and the epilogues. Used
-by the tile grid (engine/kernels/skinny_gemm.py) and the stream-K schedule
-(engine/kernels/skinny_streamk.py); see skinny_gemm.py's docstring for what each does."""
+"""Triton pieces of the skinny decode GEMM (engine/kernels/skinny_gemm.py, whose docstring
+says what each does): weight / activation chunk loads, the multiply-accumulate of one K
+chunk (with the fused norm prologue), and the epilogues."""
 from __future__ import annotations
 
 import triton
