@@ -88,6 +88,11 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
         for bn, bk, w in fma:
             for st in ((1, 3) if m == 1 else (1,)):
                 out.append(SkinnyConfig(bn, bk, w, st, False))
+        if m == 1:  # a whole row (or half) per load: every weight byte requested at once,
+            # before the PDL wait, instead of a K loop of round trips
+            out += [SkinnyConfig(bn, bk, w, 1, False) for bn, bk, w in
+                    ((1, 4096, 4), (2, 4096, 8), (4, 4096, 8), (2, 2048, 4), (4, 2048, 8))
+                    if bk <= k and k % bk == 0]
         for bn, bk, w in fma[:2]:
             out.append(SkinnyConfig(bn, bk, w, 1, False, 1, True))
         if m == 1:  # the dot path still wins lm_head and down at one row
