@@ -267,7 +267,9 @@ def _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out):
     y = torch.nn.functional.linear(x, weight, bias)
     if silu:
         n = out.shape[1]
-        return torch.mul(torch.nn.functional.silu(y[:, :n]), y[:, n:], out=out)
+        if residual is None:
+            return torch.mul(torch.nn.functional.silu(y[:, :n]), y[:, n:], out=out)
+        y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
     if residual is not None:
         return torch.add(y, residual, out=out)
     return out.copy_(y)

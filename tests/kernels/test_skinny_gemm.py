@@ -232,6 +232,10 @@ def test_cublas_route_matches_fused_kernel(dtype, device):
     skinny_linear(x, wn, residual=r1, out=r1, config=DOT)
     out = skinny_linear(x, wn, residual=r2, out=r2, config=CUBLAS)
     assert out.data_ptr() == r2.data_ptr() and _rel(r2, r1) < tol
+    r1, r2 = res.clone(), res.clone()  # silu then the residual
+    skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, residual=r1, out=r1, config=DOT)
+    skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, residual=r2, out=r2, config=CUBLAS)
+    assert _rel(r2, r1) < tol
     f32 = skinny_linear(x, wn, out_dtype=torch.float32, config=CUBLAS)
     assert f32.dtype == torch.float32 and _rel(f32, skinny_linear_ref(x, wn)) < tol
     assert SkinnyConfig.from_table(["cublas"]) is CUBLAS and CUBLAS.to_table() == ["cublas"]
