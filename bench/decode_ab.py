@@ -2,7 +2,7 @@
 and take medians, because re-capturing the same graph moves step times by up to 5% on the H200.
 
     python -m bench.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
-                              [--fused-ab]
+                              [--fused-ab | --table-ab CANDIDATE.json [--cases 1:1024,64:2048]]
 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
 prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
@@ -11,6 +11,9 @@ each output checked against the default's. Engine: whole decode steps replayed a
 --fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
 table says).
+--table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
+table (B, e.g. `bench.skinny_gemm_sweep --write-table --table-out F`): the step-level check
+of a table change, since isolated matmul timings miss launch overlap (PDL) and L2 effects.
 Prints tables and writes bench/results/decode_ab-*.json.
 
 Also measured with this script on 2026-12-03 (H200) and dropped, both within noise or worse
@@ -157,6 +160,35 @@ def engine_fused_ab(shape: str, reps: int) -> list[dict]:
     return out
 
 
+def engine_table_ab(shape: str, reps: int, candidate: str, cases) -> list[dict]:
+    """Whole decode steps: the shipped skinny-GEMM table (A) vs the candidate table file (B);
+    the model's fused-path batch sizes stay those of the shipped table."""
+    import engine.kernels.skinny_configs as sc
+
+    max_ctx = max(c for _, c in cases)
+    max_b = max(b for b, _ in cases)
+    nb = max_b * (-(-(max_ctx + 1) // BS)) + 8
+    eng = make_engine(shape, max_b, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
+    shipped = sc.table_path
+
+    def table(path_fn):
+        def use():
+            sc.table_path = path_fn
+            sc.load_table.cache_clear()
+            sc.default_config.cache_clear()
+        return use
+
+    try:
+        out = _ab(eng, shape, "skinny table shipped(A)/candidate(B)", cases, table(shipped),
+                  table(lambda _name: candidate), reps, max_ctx)
+    finally:
+        table(shipped)()
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def _ab(eng, shape: str, name: str, cases, set_a, set_b, reps: int, max_ctx: int) -> list[dict]:
     t = {c: {"A": [], "B": []} for c in cases}
     for _ in range(reps):
@@ -183,6 +215,10 @@ def main() -> None:
     ap.add_argument("--attn-splits", action="store_true", help="split count per tile, batches 1-64")
     ap.add_argument("--fused-ab", action="store_true",
                     help="engine A/B of the matmul path at 32-64 rows instead of the tile A/B")
+    ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json",
+                    help="engine A/B of the shipped skinny-GEMM table vs this one instead")
+    ap.add_argument("--cases", default="1:1024,8:1024,16:1024,64:2048",
+                    help="batch:ctx cases of --table-ab")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
@@ -192,11 +228,17 @@ def main() -> None:
     erows = []
     for shape in a.shapes.split(","):
         if shape:
+            if a.table_ab:
+                cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")]
+                print(f"[{shape}] skinny table A/B: {a.table_ab}", flush=True)
+                erows += engine_table_ab(shape, a.reps, a.table_ab, cases)
+                continue
             print(f"[{shape}] {'matmul path' if a.fused_ab else 'attention tile'} A/B", flush=True)
             erows += (engine_fused_ab if a.fused_ab else engine_tile_ab)(shape, a.reps)
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
-    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab, "copy_gbs": round(bw, 1),
+    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab,
+                                      "table_ab": a.table_ab, "cases": a.cases if a.table_ab else None, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)

@@ -2,7 +2,7 @@
 o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
 Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--write-table]
+    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--write-table [--table-out F]]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
 copies to defeat the L2 (>= 512 MB per case); replayed, CUDA events, median / R.
@@ -201,14 +201,16 @@ def bench_op(shape, op, m, log_rows):
     return row
 
 
-def write_table(rows: list[dict], ms: list[int]) -> str:
-    """Writes this run's winners into the GPU's table, keeping the entries of an existing
-    table for the (shape, M) this run did not sweep (and its fused_m for the M it did not)."""
+def write_table(rows: list[dict], ms: list[int], out_path: str | None = None) -> str:
+    """Writes this run's winners into the GPU's table (or to out_path, a candidate table for
+    `bench.decode_ab --table-ab`), keeping the entries of the GPU's current table for the
+    (shape, M) this run did not sweep (and its fused_m for the M it did not)."""
     name = torch.cuda.get_device_name()
-    path = table_path(name)
+    src = table_path(name)
+    path = out_path or src
     old = {}
-    if os.path.exists(path):
-        with open(path) as f:
+    if os.path.exists(src):
+        with open(src) as f:
             old = json.load(f)
     # fused_m: the tuned M whose fused per-step total (each op: our kernel or cuBLAS, as the
     # table says) beats the all-cuBLAS total on every shape swept
@@ -247,6 +249,8 @@ def main() -> None:
     ap.add_argument("--m", default="1,16,64")
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--write-table", action="store_true")
+    ap.add_argument("--table-out", default=None,
+                    help="with --write-table: write the merged table here instead of the shipped one")
     a = ap.parse_args()
     torch.manual_seed(0)
     rgbs = read_gbs()
@@ -258,7 +262,7 @@ def main() -> None:
             for op in ops(shape):
                 bench_op(shape, op, m, rows)
         if a.write_table:  # after each shape: a run cut short still leaves a table
-            print("wrote table", write_table(rows, ms), flush=True)
+            print("wrote table", write_table(rows, ms, a.table_out), flush=True)
     for shape in a.shapes.split(","):
         for m in ms:
             sel = [r for r in rows if r["shape"] == shape and r["M"] == m and "best" in r]
@@ -270,7 +274,7 @@ def main() -> None:
                        "best_cfg", "table_us", "speedup"])
     tuned = [r for r in rows if "best" in r]
     if a.write_table:
-        print("wrote table", write_table(tuned, ms), flush=True)
+        print("wrote table", write_table(tuned, ms, a.table_out), flush=True)
     path = write_result("skinny_gemm_sweep", {"m": ms, "shapes": a.shapes, "dtype": "bf16",
                                               "read_gbs": round(rgbs, 1)}, {"rows": rows})
     print("wrote", path)
