@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
-# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|profile|ab|services ...]
+# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|candidate|profile|ab|services ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -33,6 +33,11 @@ for s in $steps; do
       timeout 150 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
     sweep)
       timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
+    candidate)  # sweep into a candidate table, then check it against the shipped one in whole steps
+      timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} --write-table --table-out "$OUT/candidate_table.json" 2>&1 \
+        | tee "$OUT/sweep.log" | tail -30
+      timeout 300 python3 -m bench.decode_ab --table-ab "$OUT/candidate_table.json" ${AB_ARGS:-} 2>&1 \
+        | tee "$OUT/decode_ab.log" | tail -20 ;;
     profile)
       timeout 200 python3 -m bench.step_profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -120 ;;
     services)
