@@ -2,7 +2,7 @@
 and take medians, because re-capturing the same graph moves step times by up to 5% on the H200.
 
     python -m bench.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
-                              [--fused-ab | --table-ab CANDIDATE.json [--cases 1:1024,64:2048]]
+                              [--fused-ab | --reduce-ab | --table-ab CANDIDATE.json [--cases ...]]
 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
 prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
@@ -11,6 +11,8 @@ each output checked against the default's. Engine: whole decode steps replayed a
 --fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
 table says).
+--reduce-ab: whole decode steps at 1-16 rows, decode attention's split results merged by a
+second kernel (A) vs by the last split to finish (B, DecodeTile.fused_reduce).
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
 table (B, e.g. `bench.skinny_gemm_sweep --write-table --table-out F`): the step-level check
 of a table change, since isolated matmul timings miss launch overlap (PDL) and L2 effects.
@@ -26,6 +28,7 @@ prefetch slowed attention by 3.3 us).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import statistics
@@ -117,24 +120,37 @@ def attention_splits() -> list[dict]:
 OLD_TILE = da.DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
 
 
-def engine_tile_ab(shape: str, reps: int) -> list[dict]:
-    """Whole decode steps: the 16-bit decode attention tile before 2026-12-03 (A) vs the
-    current default (B)."""
-    max_ctx = 2048
-    nb = 64 * (-(-(max_ctx + 1) // BS)) + 8
-    eng = make_engine(shape, 64, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
+def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="attn tile old(A)/new(B)",
+                   cases=((1, 1024), (8, 1024), (16, 1024), (32, 1024), (64, 1024), (64, 2048))
+                   ) -> list[dict]:
+    """Whole decode steps: the 16-bit decode attention tile tile_a (default: the tile before
+    2026-12-03) vs tile_b (default: the current one)."""
+    max_ctx = max(c for _, c in cases)
+    nb = max(b for b, _ in cases) * (-(-(max_ctx + 1) // BS)) + 8
+    eng = make_engine(shape, max(b for b, _ in cases), max_ctx, eager=False, num_blocks=nb,
+                      prefill_graphs=False)
     new = da.TILE_16BIT
 
     def tile(t):
         return lambda: setattr(da, "TILE_16BIT", t)
 
-    cases = [(1, 1024), (8, 1024), (16, 1024), (32, 1024), (64, 1024), (64, 2048)]
-    rows = _ab(eng, shape, "attn tile old(A)/new(B)", cases, tile(OLD_TILE), tile(new), reps, max_ctx)
-    da.TILE_16BIT = new
+    try:
+        rows = _ab(eng, shape, name, list(cases), tile(tile_a), tile(tile_b or new), reps, max_ctx)
+    finally:
+        da.TILE_16BIT = new
     del eng
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def engine_reduce_ab(shape: str, reps: int) -> list[dict]:
+    """Whole decode steps at small batches (where the KV range is split): split results
+    merged by a second kernel (A) vs by the last split to finish (B, fused_reduce)."""
+    t = da.TILE_16BIT
+    return engine_tile_ab(shape, reps, dataclasses.replace(t, fused_reduce=False),
+                          dataclasses.replace(t, fused_reduce=True), "split merge kernel(A)/fused(B)",
+                          ((1, 1024), (1, 4096), (4, 1024), (8, 1024), (8, 4096), (16, 1024)))
 
 
 def engine_fused_ab(shape: str, reps: int) -> list[dict]:
@@ -215,6 +231,8 @@ def main() -> None:
     ap.add_argument("--attn-splits", action="store_true", help="split count per tile, batches 1-64")
     ap.add_argument("--fused-ab", action="store_true",
                     help="engine A/B of the matmul path at 32-64 rows instead of the tile A/B")
+    ap.add_argument("--reduce-ab", action="store_true",
+                    help="engine A/B of the split merge: reduce kernel vs last-arriver merge")
     ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json",
                     help="engine A/B of the shipped skinny-GEMM table vs this one instead")
     ap.add_argument("--cases", default="1:1024,8:1024,16:1024,64:2048",
@@ -233,11 +251,13 @@ def main() -> None:
                 print(f"[{shape}] skinny table A/B: {a.table_ab}", flush=True)
                 erows += engine_table_ab(shape, a.reps, a.table_ab, cases)
                 continue
-            print(f"[{shape}] {'matmul path' if a.fused_ab else 'attention tile'} A/B", flush=True)
-            erows += (engine_fused_ab if a.fused_ab else engine_tile_ab)(shape, a.reps)
+            kind = "matmul path" if a.fused_ab else "split merge" if a.reduce_ab else "attention tile"
+            print(f"[{shape}] {kind} A/B", flush=True)
+            fn = engine_fused_ab if a.fused_ab else engine_reduce_ab if a.reduce_ab else engine_tile_ab
+            erows += fn(shape, a.reps)
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
-    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab,
+    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab, "reduce_ab": a.reduce_ab,
                                       "table_ab": a.table_ab, "cases": a.cases if a.table_ab else None, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.arrival import arrival_counters
 from engine.kernels.common import dot_precision, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
@@ -169,26 +170,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                       K, stride_om, stride_rm, eps, adt, NORM, SILU, RESID, HAS_BIAS)
 
 
-# Split-K arrival counters, one int32 per N tile, per device. The last arriver resets its
-# counter, so the buffer stays all-zero between launches and is shared by every split-K
-# launch on the device. NOTE: this assumes split-K launches on one device do not run
-# concurrently (true for the engine: one stream per process; PDL dependents only touch the
-# counters after their grid-dependency wait, i.e. after the previous launch completed).
-_LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def _locks(device: torch.device, n_tiles: int) -> torch.Tensor:
-    key = (device.type, device.index)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n_tiles:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny_linear: split-K counters must be allocated before CUDA-graph "
-                               "capture (run the batch once eagerly first, as the graph warm-up does)")
-        buf = torch.zeros(max(n_tiles, 16384), dtype=torch.int32, device=device)
-        _LOCKS[key] = buf
-    return buf
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
                   residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -239,7 +220,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ws = torch.empty((splits, 2 if silu else 1, bm, N), dtype=torch.float32, device=x.device)
         ssq_ws = (torch.empty((n_tiles, splits, bm), dtype=torch.float32, device=x.device)
                   if norm_weight is not None else ws)
-        locks = _locks(x.device, n_tiles)
+        locks = arrival_counters(x.device, "skinny_gemm", n_tiles)
     else:
         ws = ssq_ws = locks = out
     _skinny_gemm_kernel[(n_tiles, splits)](
