@@ -34,6 +34,13 @@ BLOCK_K, so it suits M <= 8 with small tiles). The FMA path can use BLOCK_N down
 rows, which gives the N=2048..4096 matmuls enough programs to fill the GPU without split-K;
 the dot path cannot go below 16 rows.
 
+ONE_CHUNK (set by the launcher when a program's K range fits one BLOCK_K chunk): no K loop,
+so no accumulator is live across one. On sm_90 (ptxas -v, Triton 3.9) a one-row FMA tile of
+a whole 4096-wide row drops from 128 to 98 registers (4 rows), 80 to 64 (2 rows), and with
+norm + silu from 255 to 185 (4 rows): more programs, so more weight bytes in flight, per SM.
+Such tiles (the sweep's one-row candidates with BLOCK_K = K) request every weight byte of a
+program before the PDL wait, instead of a chain of K-loop round trips.
+
 Tried and dropped (H200, 2026-12-03, bench/results/skinny_gemm_sweep-20261203T035403.json):
 a stream-K schedule (a persistent grid of 1-16 programs per SM, each an equal run of
 (tile, K chunk) units, split tiles reduced in rank order) on the 3 best tiles of every op
@@ -62,7 +69,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                         lock_ptr, M, N, K, K_PER, up_off, stride_xm, stride_wn, stride_om,
                         stride_rm, eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, PREFETCH_X: tl.constexpr,
+                        SPLIT_K: tl.constexpr, PREFETCH_X: tl.constexpr, ONE_CHUNK: tl.constexpr,
                         NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
                         HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                         EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -115,6 +122,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
             x = x_next
             offs_cur = offs_k
         acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_cur, K,
+                                NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
+    elif ONE_CHUNK:
+        # the whole K range of this program is the peeled chunk: no loop, so no accumulator
+        # stays live across one (the products reduce as they are formed: fewer registers,
+        # more programs and more bytes in flight per SM)
+        acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k0, K,
                                 NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
     else:
         acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k0, K,
@@ -229,7 +242,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ws, ssq_ws, locks, M, N, K, k_per, N, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), float(eps),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
-        PREFETCH_X=cfg.prefetch_x,
+        PREFETCH_X=cfg.prefetch_x and k_per > cfg.block_k, ONE_CHUNK=k_per <= cfg.block_k,
         NORM=norm_weight is not None, SILU=silu, RESID=residual is not None,
         HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0,

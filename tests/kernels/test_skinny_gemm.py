@@ -240,3 +240,23 @@ def test_cublas_route_matches_fused_kernel(dtype, device):
     assert f32.dtype == torch.float32 and _rel(f32, skinny_linear_ref(x, wn)) < tol
     assert SkinnyConfig.from_table(["cublas"]) is CUBLAS and CUBLAS.to_table() == ["cublas"]
 
+
+
+ONE_FMA = SkinnyConfig(4, 128, 4, 1, False)  # K <= 128: the whole row in one chunk, no K loop
+ONE_DOT = SkinnyConfig(16, 128, 4, 1, True)
+ONE_SPLIT = SkinnyConfig(8, 32, 4, 1, False, split_k=4)  # K = 128: one chunk per split
+
+
+@pytest.mark.parametrize("cfg", [ONE_FMA, ONE_DOT, ONE_SPLIT])
+@pytest.mark.parametrize("m,n,k", [(1, 24, 128), (3, 20, 100), (1, 9, 77)])
+def test_one_chunk_programs(cfg, m, n, k, device):
+    """A program whose K range is a single chunk (ONE_CHUNK: no K loop) with every epilogue."""
+    dtype = torch.float32
+    x, w, nw, res, b = _data(m, n, k, dtype, device, seed=3 * m + n + k, silu=True)
+    wn = w[:n].contiguous()
+    got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=cfg)
+    assert _rel(got, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-5, silu=True)) < TOL[dtype]
+    assert _rel(skinny_linear(x, wn, b, config=cfg), skinny_linear_ref(x, wn, b)) < TOL[dtype]
+    r = res.clone()
+    skinny_linear(x, wn, residual=r, out=r, config=cfg)
+    assert _rel(r, skinny_linear_ref(x, wn, residual=res)) < TOL[dtype]
