@@ -7,6 +7,8 @@ rmsnorm.rms_norm / fused_add_rms_norm   RMSNorm, residual add fused
 rotary.rotary_neox_                     neox rotary embedding, in place
 rope_kv_write.rope_write_kv             rotary on q + rotated k and v into the cache, one launch
 skinny_gemm.skinny_linear               decode matmul for few rows, norm / silu*up / residual fused;
-                                        tile configs from configs/ (skinny_configs.py) or a heuristic
+                                        tile configs from configs/ (skinny_configs.py) or a heuristic;
+                                        Triton pieces in skinny_gemm_parts.py
+arrival.arrival_counters                zeroed counters for last-arriver reductions (split-K, splits)
 Importing a submodule imports triton; this package file imports nothing.
 """
