@@ -90,7 +90,7 @@ def kv_backend_from_args(a: argparse.Namespace) -> str:
         raise ConfigError(f"--kv-transfer-backend / SPLITSERVE_KV_TRANSFER_BACKEND={b!r}: "
                           f"use one of {', '.join(KV_TRANSFER_BACKENDS)}")
     if b == "nixl":
-        from kvtransfer.nixl_backend import NOT_INSTALLED, nixl_available
+        from kvtransfer.nixl_probe import NOT_INSTALLED, nixl_available
 
         if not nixl_available():
             raise ConfigError(NOT_INSTALLED)

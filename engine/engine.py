@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES, KVBlocks, raw_view
 from engine.kv_cache import KVCacheManager
 from engine.layer_stream import LayerExport, LayerStreamer
-from engine.layers.attention import get_attention_backend
+from engine.layers.attention_select import get_attention_backend
 from engine.loader import load_model
 from engine.models.llama import CausalLM
 from engine.request import Request, RequestStatus

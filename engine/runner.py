@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.layers.attention import AttentionMetadata, KVScales, get_attention_backend
+from engine.layers.attention import AttentionMetadata, KVScales
 from engine.layers.sampler import Sampler, SamplingBatch
 
 log = logging.getLogger("splitserve.engine.runner")

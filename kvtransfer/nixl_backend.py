@@ -39,6 +39,7 @@ from typing import Awaitable, Callable, Sequence
 import torch
 
 from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
+from kvtransfer.nixl_probe import NOT_INSTALLED, nixl_available  # noqa: F401 - re-exported
 from kvtransfer.pair_client import PairClient, PairSendTransfer
 from kvtransfer.pair_sender import PairKVSender
 from kvtransfer.pair_service import RecvPlane
@@ -46,18 +47,6 @@ from kvtransfer.state import KVLayout, TransferError
 from protos import kvtransfer_pb2
 
 log = logging.getLogger("splitserve.kvtransfer.nixl")
-
-NOT_INSTALLED = ("nixl is not installed (pip install nixl; it also needs UCX): "
-                 "--kv-transfer-backend nixl cannot run here, use grpc or dist")
-
-
-def nixl_available() -> bool:
-    try:
-        import nixl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def make_agent(name: str):
     """A real nixl agent (UCX backend); BackendUnavailable when nixl is missing."""

@@ -180,28 +180,3 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_torch(k, v, kv_cache, meta.slot_mapping, ks, vs)
         return paged_attention_torch(q, kv_cache, meta, self.scale, ks, vs)
 
-
-def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
-    """Pick a backend by config name. 'auto': flash_attn if it imports (cuda), triton on
-    cuda, torch on cpu. Backends register lazily so CPU installs need neither."""
-    if name == "auto":
-        name = "torch" if device == "cpu" else "triton"
-        if device != "cpu":
-            try:
-                import flash_attn  # noqa: F401
-
-                name = "flash_attn"
-            except ImportError:
-                pass
-    if name == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    if name == "triton":
-        from engine.layers.attention_triton import TritonAttentionBackend
-
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim)
-    if name == "flash_attn":
-        from engine.layers.attention_flash import FlashAttentionBackend
-
-        return FlashAttentionBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r}")

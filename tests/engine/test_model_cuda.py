@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.layers.attention import get_attention_backend
+from engine.layers.attention_select import get_attention_backend
 from engine.loader import load_model
 from engine.models.llama import CausalLM
 from tests.conftest import make_meta

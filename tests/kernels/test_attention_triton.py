@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from engine.kernels.reference import paged_attention_torch, write_kv_ref
-from engine.layers.attention import KVScales, TorchAttentionBackend, get_attention_backend
+from engine.layers.attention import KVScales, TorchAttentionBackend
+from engine.layers.attention_select import get_attention_backend
 from engine.layers.attention_triton import TritonAttentionBackend
 
 from ._util import make_batch
