@@ -160,36 +160,45 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
         if FUSED_REDUCE:
-            # the last split of this (sequence, KV head) to finish merges all of them (in
-            # split order: deterministic), so no reduce kernel follows; partial stores are
-            # ordered before the gpu-scope release of the arrival count, the last arriver
-            # acquires and reads them from L2 (.cg: L1 is not coherent across SMs)
+            # the last split of this (sequence, KV head) to finish merges all of them (the
+            # reduce kernel's arithmetic: the same values), so no reduce kernel follows;
+            # partial stores are ordered before the gpu-scope release of the arrival count,
+            # the last arriver acquires and reads them from L2 (L1 is not coherent across SMs)
             tl.debug_barrier()
             group = s * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(lock_ptr + group, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 tl.store(lock_ptr + group, 0)  # ready for the next launch (graph replays too)
-                row0 = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits
-                offs_s = tl.arange(0, SPLITS_PAD)
-                lse_all = tl.load(part_lse_ptr + row0[:, None] + offs_s[None, :],
-                                  mask=g_mask[:, None] & (offs_s < num_splits)[None, :],
-                                  other=float("-inf"), cache_modifier=".cg")
-                m = tl.max(lse_all, 1)
-                m_safe = tl.where(m == float("-inf"), 0.0, m)
-                tot = tl.zeros([G_PAD], tl.float32)
-                res = tl.zeros([G_PAD, D_PAD], tl.float32)
-                for sp in range(num_splits):
-                    lse_sp = tl.load(part_lse_ptr + row0 + sp, mask=g_mask, other=float("-inf"),
-                                     cache_modifier=".cg")
-                    w = tl.exp2(lse_sp - m_safe)  # 0 for an empty split
-                    o_sp = tl.load(part_o_ptr + (row0 + sp)[:, None] * D_PAD + offs_d[None, :],
-                                   mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-                    tot += w
-                    res += o_sp * w[:, None]
-                res = res / tl.where(tot > 0.0, tot, 1.0)[:, None]
-                tl.store(out_ptr + s.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-                         + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
-                         mask=g_mask[:, None] & d_mask[None, :])
+                for g in tl.static_range(G):
+                    h = kvh * G + g
+                    res = _merge_splits(part_o_ptr, part_lse_ptr,
+                                        s.to(tl.int64) * (G * tl.num_programs(1)) + h, num_splits,
+                                        offs_d, D_PAD, SPLITS_PAD, True)
+                    tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+                             res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, row, num_splits, offs_d, D_PAD: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, FROM_L2: tl.constexpr):
+    """One head's split results merged (row = sequence * num_heads + head): the partial
+    outputs weighted by exp2(lse - max lse), [D_PAD] fp32; zeros when every split is empty.
+    FROM_L2: .cg loads (partials written by other SMs during the same launch)."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < num_splits
+    lse_ptrs = part_lse_ptr + row * num_splits + offs_s
+    o_ptrs = part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :]
+    if FROM_L2:
+        lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(o_ptrs, mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"))
+        o = tl.load(o_ptrs, mask=s_mask[:, None], other=0.0)
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    tot = tl.sum(w, 0)
+    return tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -201,18 +210,9 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
         gdc_wait()
     s = tl.program_id(0)
     h = tl.program_id(1)
-    row = s.to(tl.int64) * tl.num_programs(1) + h
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # 0 for empty splits
-    o = tl.load(part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :],
-                mask=s_mask[:, None], other=0.0)
-    tot = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
+    res = _merge_splits(part_o_ptr, part_lse_ptr, s.to(tl.int64) * tl.num_programs(1) + h,
+                        num_splits, offs_d, D_PAD, SPLITS_PAD, False)
     tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
              mask=offs_d < D)
 

@@ -25,6 +25,11 @@ def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, prefetch, fused_r
     if fused_reduce:  # the last arriver merged every split and reset its counter
         from engine.kernels import arrival
 
+        two_kernels = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
+                                             num_splits=num_splits, block_n=16, prefetch=prefetch,
+                                             fused_reduce=False)
+        assert torch.equal(out, two_kernels)  # the same merge code, the same values
+
         again = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
                                        num_splits=num_splits, block_n=16, prefetch=prefetch,
                                        fused_reduce=True)
