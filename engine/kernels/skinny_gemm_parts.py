@@ -8,26 +8,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_tile(rows, offs_k, n_mask, K, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] weight tile at K offsets offs_k, masked only where needed."""
+    if EVEN_K:
+        if EVEN_N:
+            return tl.load(rows + offs_k[None, :])
+        return tl.load(rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+    return tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU: tl.constexpr, EVEN_K: tl.constexpr,
             EVEN_N: tl.constexpr):
     """Weight tile(s) [BLOCK_N, BLOCK_K] for K offsets offs_k (the 'up' tile too with SILU)."""
-    if EVEN_K:
-        if EVEN_N:
-            w = tl.load(w_rows + offs_k[None, :])
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-    else:
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    w = _load_tile(w_rows, offs_k, n_mask, K, EVEN_K, EVEN_N)
     wu = w
     if SILU:
-        if EVEN_K:
-            if EVEN_N:
-                wu = tl.load(u_rows + offs_k[None, :])
-            else:
-                wu = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-        else:
-            wu = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
-                         other=0.0)
+        wu = _load_tile(u_rows, offs_k, n_mask, K, EVEN_K, EVEN_N)
     return w, wu
 
 
