@@ -125,23 +125,15 @@ def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="at
                    ) -> list[dict]:
     """Whole decode steps: the 16-bit decode attention tile tile_a (default: the tile before
     2026-12-03) vs tile_b (default: the current one)."""
-    max_ctx = max(c for _, c in cases)
-    nb = max(b for b, _ in cases) * (-(-(max_ctx + 1) // BS)) + 8
-    eng = make_engine(shape, max(b for b, _ in cases), max_ctx, eager=False, num_blocks=nb,
-                      prefill_graphs=False)
     new = da.TILE_16BIT
 
     def tile(t):
-        return lambda: setattr(da, "TILE_16BIT", t)
+        return lambda _eng: setattr(da, "TILE_16BIT", t)
 
     try:
-        rows = _ab(eng, shape, name, list(cases), tile(tile_a), tile(tile_b or new), reps, max_ctx)
+        return _ab(shape, name, cases, tile(tile_a), tile(tile_b or new), reps)
     finally:
         da.TILE_16BIT = new
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rows
 
 
 def engine_reduce_ab(shape: str, reps: int) -> list[dict]:
@@ -155,25 +147,13 @@ def engine_reduce_ab(shape: str, reps: int) -> list[dict]:
 
 def engine_fused_ab(shape: str, reps: int) -> list[dict]:
     """Whole decode steps: fused path up to 16 rows, cuBLAS above (A) vs fused up to 64 (B)."""
-    max_ctx = 2048
-    nb = 64 * (-(-(max_ctx + 1) // BS)) + 8
-    eng = make_engine(shape, 64, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
-    model = eng.runner.model
-    tuned = (model.skinny_max_m, model.skinny_rows)
-
-    def rows(max_m, allowed):
-        def set_rows():
-            model.skinny_max_m, model.skinny_rows = max_m, allowed
+    def rows(max_m):
+        def set_rows(eng):
+            eng.runner.model.skinny_max_m, eng.runner.model.skinny_rows = max_m, None
         return set_rows
 
     cases = [(24, 1024), (32, 1024), (48, 2048), (64, 1024), (64, 2048)]
-    out = _ab(eng, shape, "matmuls cuBLAS(A)/fused(B)", cases, rows(16, None), rows(64, None),
-              reps, max_ctx)
-    model.skinny_max_m, model.skinny_rows = tuned
-    del eng, model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+    return _ab(shape, "matmuls cuBLAS(A)/fused(B)", cases, rows(16), rows(64), reps)
 
 
 def engine_table_ab(shape: str, reps: int, candidate: str, cases) -> list[dict]:
@@ -181,38 +161,42 @@ def engine_table_ab(shape: str, reps: int, candidate: str, cases) -> list[dict]:
     the model's fused-path batch sizes stay those of the shipped table."""
     import engine.kernels.skinny_configs as sc
 
-    max_ctx = max(c for _, c in cases)
-    max_b = max(b for b, _ in cases)
-    nb = max_b * (-(-(max_ctx + 1) // BS)) + 8
-    eng = make_engine(shape, max_b, max_ctx, eager=False, num_blocks=nb, prefill_graphs=False)
     shipped = sc.table_path
 
     def table(path_fn):
-        def use():
+        def use(_eng=None):
             sc.table_path = path_fn
             sc.load_table.cache_clear()
             sc.default_config.cache_clear()
         return use
 
     try:
-        out = _ab(eng, shape, "skinny table shipped(A)/candidate(B)", cases, table(shipped),
-                  table(lambda _name: candidate), reps, max_ctx)
+        return _ab(shape, "skinny table shipped(A)/candidate(B)", cases, table(shipped),
+                   table(lambda _name: candidate), reps)
     finally:
         table(shipped)()
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
 
 
-def _ab(eng, shape: str, name: str, cases, set_a, set_b, reps: int, max_ctx: int) -> list[dict]:
+def _ab(shape: str, name: str, cases, set_a, set_b, reps: int) -> list[dict]:
+    """One engine sized for `cases` (batch, ctx); per rep, set_a(eng) then set_b(eng), each
+    followed by a graph re-capture and a timed step per case; medians per side."""
+    cases = list(cases)
+    max_ctx = max(c for _, c in cases)
+    max_b = max(b for b, _ in cases)
+    eng = make_engine(shape, max_b, max_ctx, eager=False,
+                      num_blocks=max_b * (-(-(max_ctx + 1) // BS)) + 8, prefill_graphs=False)
     t = {c: {"A": [], "B": []} for c in cases}
-    for _ in range(reps):
-        for side, setter in (("A", set_a), ("B", set_b)):
-            setter()
-            eng.runner.maybe_capture_graphs(max_ctx + 64, eng.runner.model.attn_backend.name)
-            for b, c in cases:
-                t[(b, c)][side].append(time_decode(eng, b, c, eager=False)["graph_ms"])
+    try:
+        for _ in range(reps):
+            for side, setter in (("A", set_a), ("B", set_b)):
+                setter(eng)
+                eng.runner.maybe_capture_graphs(eng.max_model_len, eng.runner.model.attn_backend.name)
+                for b, c in cases:
+                    t[(b, c)][side].append(time_decode(eng, b, c, eager=False)["graph_ms"])
+    finally:
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     rows = []
     for (b, c), s in t.items():
         a, bb = statistics.median(s["A"]), statistics.median(s["B"])
