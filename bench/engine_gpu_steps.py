@@ -31,7 +31,9 @@ def gemm_tflops(n: int = 8192) -> float:
 
 
 def make_engine(shape: str, max_batch: int, max_ctx: int, eager: bool, backend: str = "auto",
-                num_blocks: int | None = None, prefill_graphs: bool = True) -> Engine:
+                num_blocks: int | None = None, prefill_graphs: bool = True,
+                skinny_max_batch: int | None = None) -> Engine:
+    """skinny_max_batch: DeviceConfig.skinny_gemm_max_batch (None: the tuned table decides)."""
     bs = 16
     nb = num_blocks or (max_batch * (-(-max_ctx // bs)) + 8)
     cfg = EngineConfig(
@@ -39,7 +41,7 @@ def make_engine(shape: str, max_batch: int, max_ctx: int, eager: bool, backend: 
         cache=CacheConfig(block_size=bs, num_blocks=nb),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=8192),
         device=DeviceConfig(device="cuda", enforce_eager=eager, attention_backend=backend,
-                            cuda_graph_max_batch=max_batch,
+                            cuda_graph_max_batch=max_batch, skinny_gemm_max_batch=skinny_max_batch,
                             cuda_graph_max_prefill_tokens=(DeviceConfig.cuda_graph_max_prefill_tokens
                                                            if prefill_graphs else 0)))
     return Engine(cfg)

@@ -35,11 +35,8 @@ def kind_of(name: str) -> str:
 @torch.inference_mode()
 def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool = False) -> list[dict]:
     eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
-                      prefill_graphs=False)
+                      prefill_graphs=False, skinny_max_batch=64 if fused else None)
     r = eng.runner
-    if fused:
-        r.model.skinny_max_m, r.model.skinny_rows = 64, None
-        r.maybe_capture_graphs(eng.max_model_len, r.model.attn_backend.name)
     ids, _, meta = decode_inputs(eng, batch, ctx)
     bt = meta.block_tables.tolist()
     rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
