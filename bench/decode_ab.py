@@ -136,6 +136,16 @@ def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="at
         da.TILE_16BIT = new
 
 
+def parse_tile(spec: str) -> da.DecodeTile:
+    """'128,8,3,0,2,1[,1]' -> DecodeTile(block_n, warps, stages, prefetch, programs_per_sm,
+    min_tiles_per_split[, fused_reduce])."""
+    v = [int(x) for x in spec.split(",")]
+    if len(v) not in (6, 7):
+        raise SystemExit(f"--tile-b {spec!r}: want BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED]")
+    return da.DecodeTile(v[0], v[1], v[2], bool(v[3]), programs_per_sm=v[4], min_tiles_per_split=v[5],
+                         fused_reduce=bool(v[6]) if len(v) == 7 else False)
+
+
 def engine_reduce_ab(shape: str, reps: int) -> list[dict]:
     """Whole decode steps at small batches (where the KV range is split): split results
     merged by a second kernel (A) vs by the last split to finish (B, fused_reduce)."""
@@ -217,10 +227,12 @@ def main() -> None:
                     help="engine A/B of the matmul path at 32-64 rows instead of the tile A/B")
     ap.add_argument("--reduce-ab", action="store_true",
                     help="engine A/B of the split merge: reduce kernel vs last-arriver merge")
-    ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json",
-                    help="engine A/B of the shipped skinny-GEMM table vs this one instead")
+    ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json[,...]",
+                    help="engine A/B of the shipped skinny-GEMM table vs each of these instead")
+    ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED];...",
+                    help="engine A/B of the default 16-bit decode attention tile vs each of these")
     ap.add_argument("--cases", default="1:1024,8:1024,16:1024,64:2048",
-                    help="batch:ctx cases of --table-ab")
+                    help="batch:ctx cases of --table-ab / --tile-b")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
@@ -230,10 +242,18 @@ def main() -> None:
     erows = []
     for shape in a.shapes.split(","):
         if shape:
+            cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")]
             if a.table_ab:
-                cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")]
-                print(f"[{shape}] skinny table A/B: {a.table_ab}", flush=True)
-                erows += engine_table_ab(shape, a.reps, a.table_ab, cases)
+                for cand in a.table_ab.split(","):
+                    print(f"[{shape}] skinny table A/B: {cand}", flush=True)
+                    erows += engine_table_ab(shape, a.reps, cand, cases)
+                continue
+            if a.tile_b:
+                for spec in a.tile_b.split(";"):
+                    tile = parse_tile(spec)
+                    print(f"[{shape}] attention tile A/B: default vs {tile}", flush=True)
+                    erows += engine_tile_ab(shape, a.reps, da.TILE_16BIT, tile,
+                                            f"attn tile default(A)/{spec}(B)", cases)
                 continue
             kind = "matmul path" if a.fused_ab else "split merge" if a.reduce_ab else "attention tile"
             print(f"[{shape}] {kind} A/B", flush=True)
@@ -242,7 +262,8 @@ def main() -> None:
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab, "reduce_ab": a.reduce_ab,
-                                      "table_ab": a.table_ab, "cases": a.cases if a.table_ab else None, "copy_gbs": round(bw, 1),
+                                      "table_ab": a.table_ab, "tile_b": a.tile_b,
+                                      "cases": a.cases if a.table_ab or a.tile_b else None, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)
