@@ -13,6 +13,8 @@ to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as
 table says).
 --reduce-ab: whole decode steps at 1-16 rows, decode attention's split results merged by a
 second kernel (A) vs by the last split to finish (B, DecodeTile.fused_reduce).
+--attn-cost: diagnostic, whole decode steps with attention (A) vs with the attention call
+skipped (B), i.e. what attention costs inside a step, for the cases of --cases.
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
 table (B, e.g. `bench.skinny_gemm_sweep --write-table --table-out F`): the step-level check
 of a table change, since isolated matmul timings miss launch overlap (PDL) and L2 effects.
@@ -155,6 +157,26 @@ def engine_reduce_ab(shape: str, reps: int) -> list[dict]:
                           ((1, 1024), (1, 4096), (4, 1024), (8, 1024), (8, 4096), (16, 1024)))
 
 
+def engine_attn_cost_ab(shape: str, reps: int, cases) -> list[dict]:
+    """Diagnostic, not a correct model: whole decode steps with attention (A) vs with the
+    attention call returning q unchanged (B: no attention kernels at all), so A - B is what
+    attention costs inside a step (launch seams and PDL overlap included), to set against
+    its isolated kernel time."""
+    from engine.layers.attention_triton import TritonAttentionBackend as T
+    orig = T.forward_rope
+
+    def skip(self, layer, q, k, v, rope, kv_cache, meta, kv_scales=None):
+        return q
+
+    def use(fn):
+        return lambda _eng: setattr(T, "forward_rope", fn)
+
+    try:
+        return _ab(shape, "attention(A)/none(B)", cases, use(orig), use(skip), reps)
+    finally:
+        T.forward_rope = orig
+
+
 def engine_fused_ab(shape: str, reps: int) -> list[dict]:
     """Whole decode steps: fused path up to 16 rows, cuBLAS above (A) vs fused up to 64 (B)."""
     def rows(max_m):
@@ -231,6 +253,8 @@ def main() -> None:
                     help="engine A/B of the shipped skinny-GEMM table vs each of these instead")
     ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED];...",
                     help="engine A/B of the default 16-bit decode attention tile vs each of these")
+    ap.add_argument("--attn-cost", action="store_true",
+                    help="diagnostic engine A/B: steps with vs without attention (--cases)")
     ap.add_argument("--cases", default="1:1024,8:1024,16:1024,64:2048",
                     help="batch:ctx cases of --table-ab / --tile-b")
     a = ap.parse_args()
@@ -248,6 +272,10 @@ def main() -> None:
                     print(f"[{shape}] skinny table A/B: {cand}", flush=True)
                     erows += engine_table_ab(shape, a.reps, cand, cases)
                 continue
+            if a.attn_cost:
+                print(f"[{shape}] attention cost in the step (A/B without it)", flush=True)
+                erows += engine_attn_cost_ab(shape, a.reps, cases)
+                continue
             if a.tile_b:
                 for spec in a.tile_b.split(";"):
                     tile = parse_tile(spec)
@@ -262,8 +290,8 @@ def main() -> None:
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab, "reduce_ab": a.reduce_ab,
-                                      "table_ab": a.table_ab, "tile_b": a.tile_b,
-                                      "cases": a.cases if a.table_ab or a.tile_b else None, "copy_gbs": round(bw, 1),
+                                      "table_ab": a.table_ab, "tile_b": a.tile_b, "attn_cost": a.attn_cost,
+                                      "cases": a.cases if a.table_ab or a.tile_b or a.attn_cost else None, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)
