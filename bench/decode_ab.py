@@ -139,14 +139,13 @@ def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="at
 
 
 def parse_tile(spec: str) -> da.DecodeTile:
-    """'128,8,3,0,2,1[,1[,1]]' -> DecodeTile(block_n, warps, stages, prefetch, programs_per_sm,
-    min_tiles_per_split[, fused_reduce[, early_kv]])."""
+    """'128,8,3,0,2,1[,1]' -> DecodeTile(block_n, warps, stages, prefetch, programs_per_sm,
+    min_tiles_per_split[, fused_reduce])."""
     v = [int(x) for x in spec.split(",")]
-    if len(v) not in (6, 7, 8):
-        raise SystemExit(f"--tile-b {spec!r}: want BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED[,EARLY]]")
-    v += [0] * (8 - len(v))
+    if len(v) not in (6, 7):
+        raise SystemExit(f"--tile-b {spec!r}: want BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED]")
     return da.DecodeTile(v[0], v[1], v[2], bool(v[3]), programs_per_sm=v[4], min_tiles_per_split=v[5],
-                         fused_reduce=bool(v[6]), early_kv=bool(v[7]))
+                         fused_reduce=bool(v[6]) if len(v) == 7 else False)
 
 
 def engine_reduce_ab(shape: str, reps: int) -> list[dict]:
@@ -252,7 +251,7 @@ def main() -> None:
                     help="engine A/B of the split merge: reduce kernel vs last-arriver merge")
     ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json[,...]",
                     help="engine A/B of the shipped skinny-GEMM table vs each of these instead")
-    ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED[,EARLY]];...",
+    ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED];...",
                     help="engine A/B of the default 16-bit decode attention tile vs each of these")
     ap.add_argument("--attn-cost", action="store_true",
                     help="diagnostic engine A/B: steps with vs without attention (--cases)")

@@ -53,16 +53,14 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                          PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
-                         FUSED_REDUCE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                         EARLY_KV: tl.constexpr):
+                         FUSED_REDUCE: tl.constexpr, SPLITS_PAD: tl.constexpr):
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
-        # write) ends, so its launch latency is hidden; nothing it writes is read before the
-        # wait. The next kernel (o_proj or the reduce pass, launched with PDL) may start now;
-        # it waits for this grid's completion before reading the attention output.
+        # write) ends, so its launch latency is hidden; nothing is read before the wait.
+        # The next kernel (o_proj or the reduce pass, launched with PDL) may start now; it
+        # waits for this grid's completion before reading the attention output.
         gdc_launch_dependents()
-        if not EARLY_KV:
-            gdc_wait()
+        gdc_wait()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,27 +71,12 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    last = seq_len - 1  # the new token's position
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     heads = kvh * G + offs_g
     g_mask = offs_g < G
     d_mask = offs_d < D
-    k_base = cache_ptr + kvh * stride_c_h
-    v_base = k_base + stride_c_kv
-    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    one = tl.arange(0, 1)
-    if EARLY_KV:
-        # The split's first K/V tile is requested before the grid-dependency wait, so its
-        # DRAM round trips overlap the previous kernel's tail: seq_lens and the block table
-        # are staged by the host before the step and the cached context was written by
-        # earlier steps; only the new token's row may be written after this load (by this
-        # kernel with ROPE, by the KV-append kernel before it otherwise): patched in below.
-        offs_n0 = start + tl.arange(0, BLOCK_N)
-        k0, v0 = _load_kv_tile(k_base, v_base, bt_row, offs_n0, end, offs_d, d_mask, stride_c_slot, BS)
-        if PDL:
-            gdc_wait()
     if ROPE:
         # fused rotary + KV append (16-bit caches, D == D_PAD): q and the new token's k are
         # rotated here from the un-rotated qkv; the split holding the new position writes
@@ -105,35 +88,20 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         qrows = q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
         q = rotate_rows(qrows, offs_d, c, sn, g_mask[:, None], D, HALF).to(q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + s).to(tl.int64)
-        own = ((one + last) >= start) & ((one + last) < end) & ((one + slot) >= 0)  # [1]
-        krow = kn_ptr + s.to(tl.int64) * stride_kt + kvh * stride_kh + one[:, None] * 0
-        kr = rotate_rows(krow, offs_d, c, sn, one[:, None] >= 0, D, HALF)
-        kr = kr.to(kn_ptr.dtype.element_ty)  # rounds like the unfused rotary's output
-        vv = tl.load(vn_ptr + s.to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :]
-                     + one[:, None] * 0)
-        dst = cache_ptr + slot * stride_c_slot + kvh * stride_c_h + offs_d[None, :] + one[:, None] * 0
-        cdt_c = cache_ptr.dtype.element_ty
-        new_k = kr.to(cdt_c)
-        new_v = vv.to(cdt_c)
-        tl.store(dst, new_k, mask=own[:, None])
-        tl.store(dst + stride_c_kv, new_v, mask=own[:, None])
+        last = seq_len - 1
+        if (start <= last) & (last < end) & (slot >= 0):
+            one = tl.arange(0, 1)
+            krow = kn_ptr + s.to(tl.int64) * stride_kt + kvh * stride_kh + one[:, None] * 0
+            kr = rotate_rows(krow, offs_d, c, sn, one[:, None] >= 0, D, HALF)
+            kr = kr.to(kn_ptr.dtype.element_ty)  # rounds like the unfused rotary's output
+            vv = tl.load(vn_ptr + s.to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :]
+                         + one[:, None] * 0)
+            dst = cache_ptr + slot * stride_c_slot + kvh * stride_c_h + offs_d[None, :] + one[:, None] * 0
+            cdt_c = cache_ptr.dtype.element_ty
+            tl.store(dst, kr.to(cdt_c))
+            tl.store(dst + stride_c_kv, vv.to(cdt_c))
         tl.debug_barrier()
-        if EARLY_KV:
-            patch = ((offs_n0 == last) & own)[:, None]
-            k0 = tl.where(patch, new_k, k0)
-            v0 = tl.where(patch, new_v, v0)
     else:
-        if EARLY_KV:
-            # the KV-append kernel before this one may have written the new row after the
-            # early load: read that row again now
-            own = ((one + last) >= start) & ((one + last) < end)  # [1]
-            pos = tl.maximum(last, 0)
-            blk = tl.load(bt_row + pos // BS).to(tl.int64)  # in the table whatever seq_len
-            row_off = (blk * BS + pos % BS) * stride_c_slot + offs_d[None, :] + one[:, None] * 0
-            row_mask = d_mask[None, :] & own[:, None]
-            patch = ((offs_n0 == last) & own)[:, None]
-            k0 = tl.where(patch, tl.load(k_base + row_off, mask=row_mask, other=0.0), k0)
-            v0 = tl.where(patch, tl.load(v_base + row_off, mask=row_mask, other=0.0), v0)
         q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
     if IS_FP8:
@@ -141,6 +109,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         q = q.to(tl.float16)
     elif UPCAST:
         q = q.to(tl.float32)
+    cdt = q.dtype
     qk_scale = sm_scale * 1.4426950408889634
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -148,16 +117,14 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    loop_start = start
-    if EARLY_KV:
-        if start < end:
-            m_i, l_i, acc = _attend_tile(q, k0, v0, offs_n0 < end, m_i, l_i, acc, qk_scale, PREC)
-        loop_start = start + BLOCK_N
+    k_base = cache_ptr + kvh * stride_c_h
+    v_base = k_base + stride_c_kv
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
     if PREFETCH:
         # manual register double buffering: tile i+1's loads are issued before tile i's math
-        offs_n = loop_start + tl.arange(0, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
         k, v = _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS)
-    for n0 in range(loop_start, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         if PREFETCH:
             offs_nx = offs_n + BLOCK_N
             k_nx, v_nx = _load_kv_tile(k_base, v_base, bt_row, offs_nx, end, offs_d, d_mask,
@@ -165,7 +132,15 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         else:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             k, v = _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS)
-        m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale, PREC)
+        n_mask = offs_n < end
+        qk = tl.dot(q, tl.trans(k.to(cdt)), input_precision=PREC) * qk_scale  # [G_PAD, BLOCK_N]
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v.to(cdt), input_precision=PREC)
+        m_i = m_new
         if PREFETCH:
             k = k_nx
             v = v_nx
@@ -201,21 +176,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                                         offs_d, D_PAD, SPLITS_PAD, True)
                     tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
                              res.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
-    """Online-softmax update with one [BLOCK_N, D_PAD] K/V tile (positions past the
-    sequence masked by n_mask); q [G_PAD, D_PAD] in the dot dtype."""
-    cdt = q.dtype
-    qk = tl.dot(q, tl.trans(k.to(cdt)), input_precision=PREC) * qk_scale  # [G_PAD, BLOCK_N]
-    qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v.to(cdt), input_precision=PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -271,9 +231,6 @@ class DecodeTile:
     # split results merged by the last split to finish (arrival counter per sequence and
     # KV head) instead of a second kernel: one launch per layer fewer at small batches
     fused_reduce: bool = False
-    # the split's first K/V tile loaded before the PDL grid-dependency wait (overlapping the
-    # previous kernel), the new token's row patched in after it
-    early_kv: bool = False
 
 
 # H200, 2026-12-03 (bench/decode_ab.py --attn-tiles --attn-splits, Llama-3.1-8B heads,
@@ -311,7 +268,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            prefetch: bool | None = None, new_kv: tuple | None = None,
-                           fused_reduce: bool | None = None, early_kv: bool | None = None) -> torch.Tensor:
+                           fused_reduce: bool | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`).
     new_kv = (k, v, cos, sin, token_index, slot_mapping): fused rotary + KV append: q and k
@@ -342,7 +299,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     num_stages = tile.num_stages if num_stages is None else num_stages
     prefetch = tile.prefetch if prefetch is None else prefetch
     fused_reduce = tile.fused_reduce if fused_reduce is None else fused_reduce
-    early_kv = tile.early_kv if early_kv is None else early_kv
     if num_splits is None:
         num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device,
                                        tile.programs_per_sm, tile.min_tiles_per_split)
@@ -368,7 +324,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl, ROPE=rope is not None,
         FUSED_REDUCE=fused_reduce, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        EARLY_KV=early_kv, num_warps=num_warps, num_stages=num_stages, **launch)
+        num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,

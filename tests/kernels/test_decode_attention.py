@@ -9,24 +9,19 @@ from ._util import make_batch
 
 @pytest.mark.parametrize("hkv,gqa,d,bs", [(2, 1, 64, 16), (1, 4, 128, 32), (1, 8, 64, 16),
                                           (2, 4, 64, 32)])
-@pytest.mark.parametrize("num_splits,prefetch,fused_reduce,early_kv", [
-    (1, False, False, False), (3, False, False, False), (2, True, False, False), (3, False, True, False),
-    (5, True, True, False), (1, False, False, True), (3, True, False, True), (5, False, True, True)])
-def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, prefetch, fused_reduce, early_kv, device):
+@pytest.mark.parametrize("num_splits,prefetch,fused_reduce", [(1, False, False), (3, False, False),
+                                                           (2, True, False), (3, False, True),
+                                                           (5, True, True)])
+def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, prefetch, fused_reduce, device):
     seq_lens = [1, 17, 33, 70] if bs == 16 else [5, 32, 65]
     kv, meta = make_batch(seq_lens, [1] * len(seq_lens), bs, hkv, d, torch.float32, device, seed=gqa)
     q = torch.randn(len(seq_lens), hkv * gqa, d, device=device)
     scale = d ** -0.5
     out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
                                  num_splits=num_splits, block_n=16, prefetch=prefetch,
-                                 fused_reduce=fused_reduce, early_kv=early_kv)
+                                 fused_reduce=fused_reduce)
     ref = paged_attention_torch(q, kv, meta, scale)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    if early_kv:  # the peeled first tile runs the loop's arithmetic: the same values
-        late = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
-                                      num_splits=num_splits, block_n=16, prefetch=prefetch,
-                                      fused_reduce=fused_reduce, early_kv=False)
-        assert torch.equal(out, late)
     if fused_reduce:  # the last arriver merged every split and reset its counter
         from engine.kernels import arrival
 
@@ -53,16 +48,15 @@ def test_decode_half_default_splits(dtype, device):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("fused_reduce,early_kv", [(False, False), (True, False), (False, True)])
-def test_decode_fp8(fused_reduce, early_kv, device):
+@pytest.mark.parametrize("fused_reduce", [False, True])
+def test_decode_fp8(fused_reduce, device):
     seq_lens = [20, 47]
     kv, meta = make_batch(seq_lens, [1, 1], 16, 2, 64, torch.bfloat16, device,
                           kv_dtype=torch.float8_e4m3fn)
     q = torch.randn(2, 8, 64, device=device).to(torch.bfloat16)
     ks, vs = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
     out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125, ks, vs,
-                                 num_splits=2, block_n=16, prefetch=True, fused_reduce=fused_reduce,
-                                 early_kv=early_kv)
+                                 num_splits=2, block_n=16, prefetch=True, fused_reduce=fused_reduce)
     ref = paged_attention_torch(q, kv, meta, 0.125, ks, vs)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
@@ -71,10 +65,9 @@ def test_decode_empty_sequence_gives_zeros(device):
     # seq_len 0 = CUDA-graph padding row: must be finite zeros, not NaN
     kv, meta = make_batch([0, 20], [0, 1], 16, 1, 64, torch.float32, device)
     q = torch.randn(2, 1, 64, device=device)
-    for splits, fused, early in ((1, False, False), (2, False, False), (2, True, False), (1, False, True),
-                                 (2, False, True)):
+    for splits, fused in ((1, False), (2, False), (2, True)):
         out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125,
-                                     num_splits=splits, block_n=16, fused_reduce=fused, early_kv=early)
+                                     num_splits=splits, block_n=16, fused_reduce=fused)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         meta2 = make_batch([20], [1], 16, 1, 64, torch.float32, device)[1]
         ref = paged_attention_torch(q[1:], kv, type(meta2)(**{**meta2.__dict__,
@@ -110,14 +103,10 @@ def test_split_rule_keeps_one_wave_and_a_tile_per_split(seqs, heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hkv,gqa,num_splits,prefetch,early_kv", [
-    (2, 4, 1, False, False), (1, 3, 3, True, False), (4, 2, 2, False, False), (2, 4, 1, False, True),
-    (1, 3, 3, True, True), (4, 2, 2, False, True)])
-def test_fused_rope_append_matches_two_kernels(dtype, hkv, gqa, num_splits, prefetch, early_kv, device):
+@pytest.mark.parametrize("hkv,gqa,num_splits,prefetch", [(2, 4, 1, False), (1, 3, 3, True), (4, 2, 2, False)])
+def test_fused_rope_append_matches_two_kernels(dtype, hkv, gqa, num_splits, prefetch, device):
     """new_kv: rotary + KV append inside the decode kernel == rope_write_kv, then the kernel;
-    padding rows (slot -1, seq_len 0) write nothing and give zeros. early_kv: the first tile
-    is read before the new row is written (random stale data there), so the new row must be
-    patched in: the same values as reading after the write."""
+    padding rows (slot -1, seq_len 0) write nothing and give zeros."""
     from engine.kernels.rope_kv_write import rope_write_kv
 
     g = torch.Generator().manual_seed(hkv * 100 + gqa * 10 + num_splits)
@@ -140,20 +129,11 @@ def test_fused_rope_append_matches_two_kernels(dtype, hkv, gqa, num_splits, pref
     # the two kernels
     q2, cache2 = q.clone(), cache.clone()
     rope_write_kv(idx, q2, k.clone(), v, cos, sin, cache2, slots)
-    # early_kv here: the append kernel (PDL) may still be writing the new row when the
-    # attention kernel's early load runs on a GPU; the kernel re-reads that row after its wait
-    want = paged_decode_attention(q2, cache2, bt, lens, d ** -0.5, num_splits=num_splits, prefetch=prefetch,
-                                  early_kv=early_kv)
+    want = paged_decode_attention(q2, cache2, bt, lens, d ** -0.5, num_splits=num_splits, prefetch=prefetch)
     # fused
-    q0, stale = q.clone(), cache.clone()
+    q0 = q.clone()
     got = paged_decode_attention(q, cache, bt, lens, d ** -0.5, num_splits=num_splits, prefetch=prefetch,
-                                 new_kv=(k, v, cos, sin, idx, slots), fused_reduce=num_splits == 3,
-                                 early_kv=early_kv)
-    if early_kv:
-        late = paged_decode_attention(q, stale, bt, lens, d ** -0.5, num_splits=num_splits,
-                                      prefetch=prefetch, new_kv=(k, v, cos, sin, idx, slots),
-                                      fused_reduce=num_splits == 3, early_kv=False)
-        assert torch.equal(got, late) and torch.equal(cache, stale)
+                                 new_kv=(k, v, cos, sin, idx, slots), fused_reduce=num_splits == 3)
     assert torch.equal(q, q0), "q must be left un-rotated"
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cache.float(), cache2.float(), **tol)
