@@ -161,7 +161,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
         if FUSED_REDUCE:
             # the last split of this (sequence, KV head) to finish merges all of them (the
-            # reduce kernel's arithmetic: the same values), so no reduce kernel follows;
+            # reduce kernel's arithmetic; on a GPU its sums run in this kernel's warp layout, so
+            # the values match to fp32 rounding), so no reduce kernel follows;
             # partial stores are ordered before the gpu-scope release of the arrival count,
             # the last arriver acquires and reads them from L2 (L1 is not coherent across SMs)
             tl.debug_barrier()

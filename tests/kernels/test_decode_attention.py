@@ -28,7 +28,13 @@ def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, prefetch, fused_r
         two_kernels = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
                                              num_splits=num_splits, block_n=16, prefetch=prefetch,
                                              fused_reduce=False)
-        assert torch.equal(out, two_kernels)  # the same merge code, the same values
+        if out.is_cuda:
+            # the same merge code, but compiled with the split kernel's warp count: on a GPU
+            # its sums over the splits run in another order (H200: 5 splits differ in the
+            # last fp32 bits), so it matches the two-kernel path to fp32 rounding
+            torch.testing.assert_close(out, two_kernels, atol=1e-6, rtol=1e-6)
+        else:  # the interpreter sums in one order: the same values
+            assert torch.equal(out, two_kernels)
 
         again = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
                                        num_splits=num_splits, block_n=16, prefetch=prefetch,
