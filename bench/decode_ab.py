@@ -25,7 +25,9 @@ Also measured with this script on 2026-12-03 (H200) and dropped, both within noi
 splits) for the decode kernel (+-0.5%), and an L2 bulk prefetch (cp.async.bulk.prefetch.L2)
 of o_proj's weight issued by the attention kernel before its grid-dependency wait (8B batch
 1: +1.3% step time; micro: o_proj 13.3 us from DRAM, still 8.7 us from L2, and the
-prefetch slowed attention by 3.3 us).
+prefetch slowed attention by 3.3 us). And on 2026-12-03 later (-T074351): each split's first
+K/V tile loaded before the PDL wait, the new token's row patched in after it (8B: batch 1
+-0.5% / +1.7% at ctx 1024 / 4096, batch 8 +4.3%, batch 64 +1.1%).
 """
 from __future__ import annotations
 
