@@ -16,6 +16,11 @@ Ceiling measured in the same run: a pure read (sum over 1 GiB).
 engine's tuned table, engine/kernels/skinny_configs.py) with fused_m = the tuned M whose
 fused step total beats cuBLAS's on every shape (with a 5% margin; the engine uses the fused path for a batch
 whose tuned bucket, the smallest tuned M >= its rows, is in fused_m).
+NOTE: an isolated win can lose inside a whole step (H200, 2026-12-03: the 8B one-row
+gate_up+silu on a whole-row tile, 63.3 vs 64.7 us alone, made the batch-1 step 5.5% slower;
+decode_ab-20261203T074439), so the merged table overwrites entries the step A/B rejected:
+sweep into a candidate (--table-out, or `bash bench/gpu_session.sh candidate`, which also
+runs `bench.decode_ab --table-ab` on it) and ship only the entries that win in whole steps.
 """
 from __future__ import annotations
 
