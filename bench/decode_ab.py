@@ -2,7 +2,7 @@
 and take medians, because re-capturing the same graph moves step times by up to 5% on the H200.
 
     python -m bench.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
-                              [--fused-ab | --reduce-ab | --table-ab CANDIDATE.json [--cases ...]]
+                              [--fused-ab | --attn-cost | --tile-b SPECS | --table-ab CANDIDATE.json [--cases ...]]
 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
 prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
@@ -11,8 +11,7 @@ each output checked against the default's. Engine: whole decode steps replayed a
 --fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
 table says).
---reduce-ab: whole decode steps at 1-16 rows, decode attention's split results merged by a
-second kernel (A) vs by the last split to finish (B, DecodeTile.fused_reduce).
+--tile-b: whole decode steps, the default 16-bit decode attention tile (A) vs each given tile.
 --attn-cost: diagnostic, whole decode steps with attention (A) vs with the attention call
 skipped (B), i.e. what attention costs inside a step, for the cases of --cases.
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
@@ -25,14 +24,15 @@ Also measured with this script on 2026-12-03 (H200) and dropped, both within noi
 splits) for the decode kernel (+-0.5%), and an L2 bulk prefetch (cp.async.bulk.prefetch.L2)
 of o_proj's weight issued by the attention kernel before its grid-dependency wait (8B batch
 1: +1.3% step time; micro: o_proj 13.3 us from DRAM, still 8.7 us from L2, and the
-prefetch slowed attention by 3.3 us). And on 2026-12-03 later (-T074351): each split's first
+prefetch slowed attention by 3.3 us). And on 2026-12-03 later: the split results merged by
+the last split to finish instead of the reduce kernel (-T061429; 8B batch 1 +8% / +4.5% at
+ctx 1024 / 4096, batches 4-16 0.7-1.1% faster, noise), and (-T074351) each split's first
 K/V tile loaded before the PDL wait, the new token's row patched in after it (8B: batch 1
 -0.5% / +1.7% at ctx 1024 / 4096, batch 8 +4.3%, batch 64 +1.1%).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import statistics
@@ -141,22 +141,12 @@ def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="at
 
 
 def parse_tile(spec: str) -> da.DecodeTile:
-    """'128,8,3,0,2,1[,1]' -> DecodeTile(block_n, warps, stages, prefetch, programs_per_sm,
-    min_tiles_per_split[, fused_reduce])."""
+    """'128,8,3,0,2,1' -> DecodeTile(block_n, warps, stages, prefetch, programs_per_sm,
+    min_tiles_per_split)."""
     v = [int(x) for x in spec.split(",")]
-    if len(v) not in (6, 7):
-        raise SystemExit(f"--tile-b {spec!r}: want BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED]")
-    return da.DecodeTile(v[0], v[1], v[2], bool(v[3]), programs_per_sm=v[4], min_tiles_per_split=v[5],
-                         fused_reduce=bool(v[6]) if len(v) == 7 else False)
-
-
-def engine_reduce_ab(shape: str, reps: int) -> list[dict]:
-    """Whole decode steps at small batches (where the KV range is split): split results
-    merged by a second kernel (A) vs by the last split to finish (B, fused_reduce)."""
-    t = da.TILE_16BIT
-    return engine_tile_ab(shape, reps, dataclasses.replace(t, fused_reduce=False),
-                          dataclasses.replace(t, fused_reduce=True), "split merge kernel(A)/fused(B)",
-                          ((1, 1024), (1, 4096), (4, 1024), (8, 1024), (8, 4096), (16, 1024)))
+    if len(v) != 6:
+        raise SystemExit(f"--tile-b {spec!r}: want BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES")
+    return da.DecodeTile(v[0], v[1], v[2], bool(v[3]), programs_per_sm=v[4], min_tiles_per_split=v[5])
 
 
 def engine_attn_cost_ab(shape: str, reps: int, cases) -> list[dict]:
@@ -249,11 +239,9 @@ def main() -> None:
     ap.add_argument("--attn-splits", action="store_true", help="split count per tile, batches 1-64")
     ap.add_argument("--fused-ab", action="store_true",
                     help="engine A/B of the matmul path at 32-64 rows instead of the tile A/B")
-    ap.add_argument("--reduce-ab", action="store_true",
-                    help="engine A/B of the split merge: reduce kernel vs last-arriver merge")
     ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json[,...]",
                     help="engine A/B of the shipped skinny-GEMM table vs each of these instead")
-    ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES[,FUSED];...",
+    ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES;...",
                     help="engine A/B of the default 16-bit decode attention tile vs each of these")
     ap.add_argument("--attn-cost", action="store_true",
                     help="diagnostic engine A/B: steps with vs without attention (--cases)")
@@ -285,13 +273,11 @@ def main() -> None:
                     erows += engine_tile_ab(shape, a.reps, da.TILE_16BIT, tile,
                                             f"attn tile default(A)/{spec}(B)", cases)
                 continue
-            kind = "matmul path" if a.fused_ab else "split merge" if a.reduce_ab else "attention tile"
-            print(f"[{shape}] {kind} A/B", flush=True)
-            fn = engine_fused_ab if a.fused_ab else engine_reduce_ab if a.reduce_ab else engine_tile_ab
-            erows += fn(shape, a.reps)
+            print(f"[{shape}] {'matmul path' if a.fused_ab else 'attention tile'} A/B", flush=True)
+            erows += (engine_fused_ab if a.fused_ab else engine_tile_ab)(shape, a.reps)
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
-    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab, "reduce_ab": a.reduce_ab,
+    path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab,
                                       "table_ab": a.table_ab, "tile_b": a.tile_b, "attn_cost": a.attn_cost,
                                       "cases": a.cases if a.table_ab or a.tile_b or a.attn_cost else None, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},

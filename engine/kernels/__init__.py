@@ -9,6 +9,5 @@ rope_kv_write.rope_write_kv             rotary on q + rotated k and v into the c
 skinny_gemm.skinny_linear               decode matmul for few rows, norm / silu*up / residual fused;
                                         tile configs from configs/ (skinny_configs.py) or a heuristic;
                                         Triton pieces in skinny_gemm_parts.py
-arrival.arrival_counters                zeroed counters for last-arriver reductions (split-K, splits)
 Importing a submodule imports triton; this package file imports nothing.
 """

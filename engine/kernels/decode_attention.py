@@ -3,8 +3,7 @@
 Stage 1 (_decode_split_kernel), grid (num_seqs, num_kv_heads, num_splits): each program takes
 ALL query heads of one KV head group (GQA) so every K/V byte is read once, and one contiguous
 slice of the sequence's context. It writes a normalised partial output and its log-sum-exp
-(base 2). Stage 2 (_decode_reduce_kernel), grid (num_seqs, num_heads), merges the splits;
-with fused_reduce the last split of each (sequence, KV head) to finish merges them instead.
+(base 2). Stage 2 (_decode_reduce_kernel), grid (num_seqs, num_heads), merges the splits.
 With num_splits == 1 stage 1 writes the final output directly. num_splits is a runtime
 argument (only ==1 vs >1 compiles differently), so tuning it costs no recompiles.
 
@@ -21,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.arrival import arrival_counters
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.rotary import rotate_rows
@@ -44,7 +42,7 @@ def _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-                         out_ptr, part_o_ptr, part_lse_ptr, lock_ptr, sm_scale, num_splits,
+                         out_ptr, part_o_ptr, part_lse_ptr, sm_scale, num_splits,
                          stride_qt, stride_qh, stride_c_kv, stride_c_slot, stride_c_h, stride_bt,
                          stride_ot, stride_oh,
                          kn_ptr, vn_ptr, cos_ptr, sin_ptr, idx_ptr, slot_ptr,
@@ -52,8 +50,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
-                         FUSED_REDUCE: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
@@ -159,47 +156,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        if FUSED_REDUCE:
-            # the last split of this (sequence, KV head) to finish merges all of them (the
-            # reduce kernel's arithmetic; on a GPU its sums run in this kernel's warp layout, so
-            # the values match to fp32 rounding), so no reduce kernel follows;
-            # partial stores are ordered before the gpu-scope release of the arrival count,
-            # the last arriver acquires and reads them from L2 (L1 is not coherent across SMs)
-            tl.debug_barrier()
-            group = s * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(lock_ptr + group, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.store(lock_ptr + group, 0)  # ready for the next launch (graph replays too)
-                for g in tl.static_range(G):
-                    h = kvh * G + g
-                    res = _merge_splits(part_o_ptr, part_lse_ptr,
-                                        s.to(tl.int64) * (G * tl.num_programs(1)) + h, num_splits,
-                                        offs_d, D_PAD, SPLITS_PAD, True)
-                    tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
-                             res.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, row, num_splits, offs_d, D_PAD: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr, FROM_L2: tl.constexpr):
-    """One head's split results merged (row = sequence * num_heads + head): the partial
-    outputs weighted by exp2(lse - max lse), [D_PAD] fp32; zeros when every split is empty.
-    FROM_L2: .cg loads (partials written by other SMs during the same launch)."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = offs_s < num_splits
-    lse_ptrs = part_lse_ptr + row * num_splits + offs_s
-    o_ptrs = part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :]
-    if FROM_L2:
-        lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(o_ptrs, mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"))
-        o = tl.load(o_ptrs, mask=s_mask[:, None], other=0.0)
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # 0 for empty splits
-    tot = tl.sum(w, 0)
-    return tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -211,9 +167,18 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
         gdc_wait()
     s = tl.program_id(0)
     h = tl.program_id(1)
+    row = s.to(tl.int64) * tl.num_programs(1) + h
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    res = _merge_splits(part_o_ptr, part_lse_ptr, s.to(tl.int64) * tl.num_programs(1) + h,
-                        num_splits, offs_d, D_PAD, SPLITS_PAD, False)
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    o = tl.load(part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)
+    tot = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
              mask=offs_d < D)
 
@@ -229,9 +194,6 @@ class DecodeTile:
     prefetch: bool  # manual register double buffering of the next K/V tile
     programs_per_sm: int
     min_tiles_per_split: int
-    # split results merged by the last split to finish (arrival counter per sequence and
-    # KV head) instead of a second kernel: one launch per layer fewer at small batches
-    fused_reduce: bool = False
 
 
 # H200, 2026-12-03 (bench/decode_ab.py --attn-tiles --attn-splits, Llama-3.1-8B heads,
@@ -268,8 +230,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: bool | None = None, new_kv: tuple | None = None,
-                           fused_reduce: bool | None = None) -> torch.Tensor:
+                           prefetch: bool | None = None, new_kv: tuple | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`).
     new_kv = (k, v, cos, sin, token_index, slot_mapping): fused rotary + KV append: q and k
@@ -299,7 +260,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     num_warps = tile.num_warps if num_warps is None else num_warps
     num_stages = tile.num_stages if num_stages is None else num_stages
     prefetch = tile.prefetch if prefetch is None else prefetch
-    fused_reduce = tile.fused_reduce if fused_reduce is None else fused_reduce
     if num_splits is None:
         num_splits = choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device,
                                        tile.programs_per_sm, tile.min_tiles_per_split)
@@ -309,24 +269,20 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_lse = torch.empty((S, Hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    fused_reduce = fused_reduce and num_splits > 1
-    locks = arrival_counters(q.device, "decode_attention", S * Hkv) if fused_reduce else seq_lens
     ks = k_scale if is_fp8 else seq_lens
     vs = v_scale if is_fp8 else seq_lens
     pdl = pdl_supported(q.device)
     launch = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(S, Hkv, num_splits)](
-        q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, locks, float(scale),
-        num_splits,
+        q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         *(rope if rope is not None else (q,) * 6 + (0,) * 5),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl, ROPE=rope is not None,
-        FUSED_REDUCE=fused_reduce, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         num_warps=num_warps, num_stages=num_stages, **launch)
-    if num_splits > 1 and not fused_reduce:
+    if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=4, **launch)

@@ -57,7 +57,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.arrival import arrival_counters
 from engine.kernels.common import dot_precision, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
@@ -123,21 +122,19 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
             offs_cur = offs_k
         acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_cur, K,
                                 NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
-    elif ONE_CHUNK:
-        # the whole K range of this program is the peeled chunk: no loop, so no accumulator
-        # stays live across one (the products reduce as they are formed: fewer registers,
-        # more programs and more bytes in flight per SM)
-        acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k0, K,
-                                NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
     else:
         acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k0, K,
                                 NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU, EVEN_K, EVEN_N)
-            x = _load_x(x_rows, offs_k, m_mask, K, EVEN_K)
-            acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k, K,
-                                    NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
+        if not ONE_CHUNK:
+            # (ONE_CHUNK: the whole K range of this program is the peeled chunk: no loop, so
+            # no accumulator stays live across one: fewer registers, more programs and more
+            # bytes in flight per SM)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU, EVEN_K, EVEN_N)
+                x = _load_x(x_rows, offs_k, m_mask, K, EVEN_K)
+                acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k, K,
+                                        NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
     if USE_DOT:
         y = acc
         y_u = acc_u
@@ -181,6 +178,26 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                     ssq += tl.load(ssq_row + s * BLOCK_M, cache_modifier=".cg")
             _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bias_ptr,
                       K, stride_om, stride_rm, eps, adt, NORM, SILU, RESID, HAS_BIAS)
+
+
+# Split-K arrival counters, one int32 per N tile, per device. The last arriver resets its
+# counter, so the buffer stays all-zero between launches and is shared by every split-K
+# launch on the device. NOTE: this assumes split-K launches on one device do not run
+# concurrently (true for the engine: one stream per process; PDL dependents only touch the
+# counters after their grid-dependency wait, i.e. after the previous launch completed).
+_LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _locks(device: torch.device, n_tiles: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < n_tiles:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_linear: split-K counters must be allocated before CUDA-graph "
+                               "capture (run the batch once eagerly first, as the graph warm-up does)")
+        buf = torch.zeros(max(n_tiles, 16384), dtype=torch.int32, device=device)
+        _LOCKS[key] = buf
+    return buf
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -233,7 +250,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ws = torch.empty((splits, 2 if silu else 1, bm, N), dtype=torch.float32, device=x.device)
         ssq_ws = (torch.empty((n_tiles, splits, bm), dtype=torch.float32, device=x.device)
                   if norm_weight is not None else ws)
-        locks = arrival_counters(x.device, "skinny_gemm", n_tiles)
+        locks = _locks(x.device, n_tiles)
     else:
         ws = ssq_ws = locks = out
     _skinny_gemm_kernel[(n_tiles, splits)](

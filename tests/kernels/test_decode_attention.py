@@ -9,38 +9,16 @@ from ._util import make_batch
 
 @pytest.mark.parametrize("hkv,gqa,d,bs", [(2, 1, 64, 16), (1, 4, 128, 32), (1, 8, 64, 16),
                                           (2, 4, 64, 32)])
-@pytest.mark.parametrize("num_splits,prefetch,fused_reduce", [(1, False, False), (3, False, False),
-                                                           (2, True, False), (3, False, True),
-                                                           (5, True, True)])
-def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, prefetch, fused_reduce, device):
+@pytest.mark.parametrize("num_splits,prefetch", [(1, False), (3, False), (2, True), (5, True)])
+def test_decode_matches_reference(hkv, gqa, d, bs, num_splits, prefetch, device):
     seq_lens = [1, 17, 33, 70] if bs == 16 else [5, 32, 65]
     kv, meta = make_batch(seq_lens, [1] * len(seq_lens), bs, hkv, d, torch.float32, device, seed=gqa)
     q = torch.randn(len(seq_lens), hkv * gqa, d, device=device)
     scale = d ** -0.5
     out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
-                                 num_splits=num_splits, block_n=16, prefetch=prefetch,
-                                 fused_reduce=fused_reduce)
+                                 num_splits=num_splits, block_n=16, prefetch=prefetch)
     ref = paged_attention_torch(q, kv, meta, scale)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    if fused_reduce:  # the last arriver merged every split and reset its counter
-        from engine.kernels import arrival
-
-        two_kernels = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
-                                             num_splits=num_splits, block_n=16, prefetch=prefetch,
-                                             fused_reduce=False)
-        if out.is_cuda:
-            # the same merge code, but compiled with the split kernel's warp count: on a GPU
-            # its sums over the splits run in another order (H200: 5 splits differ in the
-            # last fp32 bits), so it matches the two-kernel path to fp32 rounding
-            torch.testing.assert_close(out, two_kernels, atol=1e-6, rtol=1e-6)
-        else:  # the interpreter sums in one order: the same values
-            assert torch.equal(out, two_kernels)
-
-        again = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, scale,
-                                       num_splits=num_splits, block_n=16, prefetch=prefetch,
-                                       fused_reduce=True)
-        assert torch.equal(out, again)
-        assert all(int(b.abs().sum()) == 0 for b in arrival._BUFS.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -54,15 +32,14 @@ def test_decode_half_default_splits(dtype, device):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("fused_reduce", [False, True])
-def test_decode_fp8(fused_reduce, device):
+def test_decode_fp8(device):
     seq_lens = [20, 47]
     kv, meta = make_batch(seq_lens, [1, 1], 16, 2, 64, torch.bfloat16, device,
                           kv_dtype=torch.float8_e4m3fn)
     q = torch.randn(2, 8, 64, device=device).to(torch.bfloat16)
     ks, vs = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
     out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125, ks, vs,
-                                 num_splits=2, block_n=16, prefetch=True, fused_reduce=fused_reduce)
+                                 num_splits=2, block_n=16, prefetch=True)
     ref = paged_attention_torch(q, kv, meta, 0.125, ks, vs)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
@@ -71,9 +48,9 @@ def test_decode_empty_sequence_gives_zeros(device):
     # seq_len 0 = CUDA-graph padding row: must be finite zeros, not NaN
     kv, meta = make_batch([0, 20], [0, 1], 16, 1, 64, torch.float32, device)
     q = torch.randn(2, 1, 64, device=device)
-    for splits, fused in ((1, False), (2, False), (2, True)):
+    for splits in (1, 2):
         out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125,
-                                     num_splits=splits, block_n=16, fused_reduce=fused)
+                                     num_splits=splits, block_n=16)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         meta2 = make_batch([20], [1], 16, 1, 64, torch.float32, device)[1]
         ref = paged_attention_torch(q[1:], kv, type(meta2)(**{**meta2.__dict__,
@@ -139,7 +116,7 @@ def test_fused_rope_append_matches_two_kernels(dtype, hkv, gqa, num_splits, pref
     # fused
     q0 = q.clone()
     got = paged_decode_attention(q, cache, bt, lens, d ** -0.5, num_splits=num_splits, prefetch=prefetch,
-                                 new_kv=(k, v, cos, sin, idx, slots), fused_reduce=num_splits == 3)
+                                 new_kv=(k, v, cos, sin, idx, slots))
     assert torch.equal(q, q0), "q must be left un-rotated"
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cache.float(), cache2.float(), **tol)
