@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
-# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|candidate|profile|ab|services ...]
+# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|candidate|variants|profile|ab|services ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -38,6 +38,18 @@ for s in $steps; do
         | tee "$OUT/sweep.log" | tail -30
       timeout 300 python3 -m bench.decode_ab --table-ab "$OUT/candidate_table.json" ${AB_ARGS:-} 2>&1 \
         | tee "$OUT/decode_ab.log" | tail -20 ;;
+    variants)  # step A/B of table variants: VARIANTS="SPEC SPEC|SPEC|..." (groups split by |,
+      # each group one candidate table: bench.table_variant --set SPEC ...; see its docstring)
+      i=0; cands=""
+      IFS='|' read -ra groups <<< "${VARIANTS:?set VARIANTS}"
+      for g in "${groups[@]}"; do
+        i=$((i + 1)); sets=""
+        for spec in $g; do sets="$sets --set $spec"; done
+        python3 -m bench.table_variant "$OUT/variant_$i.json" $sets || continue
+        cands="$cands${cands:+,}$OUT/variant_$i.json"
+      done
+      timeout 400 python3 -m bench.decode_ab --table-ab "$cands" ${AB_ARGS:-} 2>&1 \
+        | tee "$OUT/decode_ab.log" | tail -24 ;;
     profile)
       timeout 200 python3 -m bench.step_profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -120 ;;
     services)

@@ -2,7 +2,8 @@
 o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
 Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--write-table [--table-out F]]
+    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj]
+                                      [--write-table [--table-out F]]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
 copies to defeat the L2 (>= 512 MB per case); replayed, CUDA events, median / R.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -100,7 +103,10 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
                     if bk <= k and k % bk == 0]
         for bn, bk, w in fma[:2]:
             out.append(SkinnyConfig(bn, bk, w, 1, False, 1, True))
-        if m == 1:  # the dot path still wins lm_head and down at one row
+        if m == 1:  # L2 bulk prefetch windows on the K-loop tiles: 2 chunks ahead, whole slice
+            out += [replace(c, l2_ahead=a) for c in list(out)
+                    if c.block_k < k and (c.num_stages == 3 or c.prefetch_x) for a in (2, 64)]
+            # the dot path still wins lm_head and down at one row
             return out + [SkinnyConfig(64, 128, 4, st, True) for st in (3, 4)] + [
                 SkinnyConfig(64, 256, 4, 3, True, sk) for sk in (2, 4)]
     for bn in (32, 64):
@@ -133,7 +139,7 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
 def cfg_name(c: SkinnyConfig) -> str:
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
             + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" px" if c.prefetch_x else "")
-            + (" norm-sep" if c.norm_separate else ""))
+            + (" norm-sep" if c.norm_separate else "") + (f" l2a{c.l2_ahead}" if c.l2_ahead else ""))
 
 
 def bench_op(shape, op, m, log_rows):
@@ -206,10 +212,12 @@ def bench_op(shape, op, m, log_rows):
     return row
 
 
-def write_table(rows: list[dict], ms: list[int], out_path: str | None = None) -> str:
+def write_table(rows: list[dict], ms: list[int], out_path: str | None = None,
+                all_ops: bool = True) -> str:
     """Writes this run's winners into the GPU's table (or to out_path, a candidate table for
     `bench.decode_ab --table-ab`), keeping the entries of the GPU's current table for the
-    (shape, M) this run did not sweep (and its fused_m for the M it did not)."""
+    (shape, M) this run did not sweep (and its fused_m for the M it did not, or for every M
+    when only some ops were swept: all_ops False)."""
     name = torch.cuda.get_device_name()
     src = table_path(name)
     path = out_path or src
@@ -219,8 +227,8 @@ def write_table(rows: list[dict], ms: list[int], out_path: str | None = None) ->
             old = json.load(f)
     # fused_m: the tuned M whose fused per-step total (each op: our kernel or cuBLAS, as the
     # table says) beats the all-cuBLAS total on every shape swept
-    fused_m = [m for m in old.get("fused_m", []) if m not in ms]
-    for m in ms:
+    fused_m = [m for m in old.get("fused_m", []) if m not in ms or not all_ops]
+    for m in ms if all_ops else []:
         wins = True
         for shape in {r["shape"] for r in rows}:
             sel = [r for r in rows if r["shape"] == shape and r["M"] == m]
@@ -253,6 +261,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,16,64")
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
+    ap.add_argument("--ops", default="", help="only the ops whose name contains one of these "
+                    "(comma-separated, e.g. qkv,o_proj); default all")
     ap.add_argument("--write-table", action="store_true")
     ap.add_argument("--table-out", default=None,
                     help="with --write-table: write the merged table here instead of the shipped one")
@@ -265,21 +275,23 @@ def main() -> None:
     for shape in a.shapes.split(","):
         for m in ms:
             for op in ops(shape):
-                bench_op(shape, op, m, rows)
+                if not a.ops or any(f in op[0] for f in a.ops.split(",")):
+                    bench_op(shape, op, m, rows)
         if a.write_table:  # after each shape: a run cut short still leaves a table
-            print("wrote table", write_table(rows, ms, a.table_out), flush=True)
+            print("wrote table", write_table(rows, ms, a.table_out, not a.ops), flush=True)
     for shape in a.shapes.split(","):
         for m in ms:
             sel = [r for r in rows if r["shape"] == shape and r["M"] == m and "best" in r]
             cu, be, tb = step_us(sel, "cublas_us"), step_us(sel, "best_us"), step_us(sel, "table_us")
-            rows.append({"shape": shape, "op": "step matmuls (ops x layers + lm_head)", "M": m,
+            what = "step matmuls (ops x layers + lm_head)" if not a.ops else f"swept ops x layers ({a.ops})"
+            rows.append({"shape": shape, "op": what, "M": m,
                          "cublas_us": round(cu, 1), "best_us": round(be, 1), "table_us": round(tb, 1),
                          "speedup": round(cu / tb, 3)})
     print_table(rows, ["shape", "op", "M", "cublas_us", "cublas_gbs", "best_us", "nopdl_us", "best_gbs",
                        "best_cfg", "table_us", "speedup"])
     tuned = [r for r in rows if "best" in r]
     if a.write_table:
-        print("wrote table", write_table(tuned, ms, a.table_out), flush=True)
+        print("wrote table", write_table(tuned, ms, a.table_out, not a.ops), flush=True)
     path = write_result("skinny_gemm_sweep", {"m": ms, "shapes": a.shapes, "dtype": "bf16",
                                               "read_gbs": round(rgbs, 1)}, {"rows": rows})
     print("wrote", path)
