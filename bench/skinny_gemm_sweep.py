@@ -2,7 +2,7 @@
 o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
 Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj]
+    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj] [--only wide]
                                       [--write-table [--table-out F]]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
-
 import torch
 import triton
 
 from bench.common import print_table, write_result
 from bench.timing import graph_time_ms
 from engine.kernels.rmsnorm import rms_norm
-from engine.kernels.skinny_configs import CUBLAS, SkinnyConfig, table_path
+from engine.kernels.skinny_configs import CUBLAS, SkinnyConfig, lookup, table_path
 from engine.kernels.skinny_gemm import skinny_linear
 
 SHAPES = {  # name: (hidden, q_size, q+2kv, intermediate, vocab)
@@ -83,10 +81,42 @@ def read_gbs() -> float:
     return x.numel() * 2 / us / 1e3
 
 
-def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyConfig]:
+def _split_for(n_tiles: int, sms: int) -> int:
+    """The smallest power-of-2 split-K (<= 16) with n_tiles x splits >= one program per SM."""
+    s = 1
+    while n_tiles * s < sms and s < 16:
+        s *= 2
+    return s
+
+
+def wide_candidates(m: int, n: int, k: int, norm: bool, silu: bool, sms: int) -> list[SkinnyConfig]:
+    """Tensor-core tiles 128-256 weight rows wide for 16+ rows. Every N tile re-reads the whole
+    x [m, K] from L2, i.e. m / block_n of the weight bytes: with 32-row tiles at 64 rows that is
+    twice the weight traffic again through L2, so 64-row matmuls ran 15-25% below one-row
+    ones (H200 sweep 2026-12-03). Wide tiles cut it to a half / a quarter; split-K brings the
+    program count back to one or two per SM."""
+    out = []
+    for bn, w in ((128, 4), (128, 8), (256, 8)):
+        s1 = _split_for(-(-n // bn), sms)
+        for bk in (64, 128):
+            for split in sorted({s1, 2 * s1}):
+                if -(-k // bk) < 2 * split:  # at least 2 K chunks per split
+                    continue
+                for st in ((3, 4) if bk == 64 else (3,)):
+                    c = SkinnyConfig(bn, bk, w, st, True, split, False, norm and m >= 32)
+                    if c.smem_bytes(m, silu) <= SMEM_LIMIT:
+                        out.append(c)
+    return out
+
+
+def candidates(m: int, n: int, k: int, norm: bool, silu: bool, only: str = "") -> list[SkinnyConfig]:
     """FMA tiles for a few rows; tensor-core tiles with split-K chosen so that N tiles x
-    splits reaches one and two programs per SM; x prefetch variants where a norm is fused."""
+    splits reaches one and two programs per SM; x prefetch variants where a norm is fused;
+    wide tiles from 16 rows (only='wide': those alone)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wide = wide_candidates(m, n, k, norm, silu, sms) if m >= 16 else []
+    if only == "wide":
+        return wide
     out = []
     if m <= 8:
         fma = {1: [(4, 1024, 8), (4, 512, 4), (8, 512, 4), (8, 1024, 8), (2, 1024, 8)],
@@ -103,17 +133,11 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
                     if bk <= k and k % bk == 0]
         for bn, bk, w in fma[:2]:
             out.append(SkinnyConfig(bn, bk, w, 1, False, 1, True))
-        if m == 1:  # L2 bulk prefetch windows on the K-loop tiles: 2 chunks ahead, whole slice
-            out += [replace(c, l2_ahead=a) for c in list(out)
-                    if c.block_k < k and (c.num_stages == 3 or c.prefetch_x) for a in (2, 64)]
-            # the dot path still wins lm_head and down at one row
+        if m == 1:  # the dot path still wins lm_head and down at one row
             return out + [SkinnyConfig(64, 128, 4, st, True) for st in (3, 4)] + [
                 SkinnyConfig(64, 256, 4, 3, True, sk) for sk in (2, 4)]
     for bn in (32, 64):
-        tiles = -(-n // bn)
-        s1 = 1
-        while tiles * s1 < sms and s1 < 16:
-            s1 *= 2
+        s1 = _split_for(-(-n // bn), sms)
         for bk in (128, 256):
             for split in sorted({1, s1, 2 * s1}):
                 if -(-k // bk) < 2 * split:  # at least 2 K chunks per split
@@ -133,16 +157,26 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
                 c = SkinnyConfig(bn, bk, w, st, True, 1, False, sep)
                 if c.smem_bytes(m, silu) <= SMEM_LIMIT:
                     out.append(c)
-    return out
+    return out + [c for c in wide if c not in out]
 
 
 def cfg_name(c: SkinnyConfig) -> str:
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
             + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" px" if c.prefetch_x else "")
-            + (" norm-sep" if c.norm_separate else "") + (f" l2a{c.l2_ahead}" if c.l2_ahead else ""))
+            + (" norm-sep" if c.norm_separate else ""))
 
 
-def bench_op(shape, op, m, log_rows):
+def shipped_config(m: int, n: int, k: int, silu: bool) -> SkinnyConfig | None:
+    """This GPU's shipped table entry for the shape (a tile; None for cuBLAS or no entry): always
+    a candidate, so a sweep of a few new tiles never ships one slower than the current."""
+    cfg = lookup(torch.cuda.get_device_name(), m, n, k, silu)
+    if cfg is None:
+        return None
+    c = SkinnyConfig.from_table(cfg)
+    return None if c.cublas else c
+
+
+def bench_op(shape, op, m, log_rows, only: str = ""):
     name, n, k, norm, silu, resid, f32 = op
     nw = 2 * n if silu else n
     wbytes = nw * k * 2
@@ -183,7 +217,11 @@ def bench_op(shape, op, m, log_rows):
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             results[cfg_name(c)] = (c, float("nan"), repr(e)[:100])
 
-    for c in candidates(m, n, k, norm, silu):
+    cands = candidates(m, n, k, norm, silu, only)
+    cur = shipped_config(m, n, k, silu)
+    if cur is not None and cur not in cands:
+        cands.append(cur)
+    for c in cands:
         run(c)
     got = skinny_linear(x, ws[0], norm_weight=g, eps=1e-5, silu=silu, config=CUBLAS,
                         residual=res.clone() if resid else None, out_dtype=out.dtype).float()
@@ -263,6 +301,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--ops", default="", help="only the ops whose name contains one of these "
                     "(comma-separated, e.g. qkv,o_proj); default all")
+    ap.add_argument("--only", default="", choices=["", "wide"],
+                    help="wide: only the wide tensor-core tiles (and the shipped entry)")
     ap.add_argument("--write-table", action="store_true")
     ap.add_argument("--table-out", default=None,
                     help="with --write-table: write the merged table here instead of the shipped one")
@@ -276,7 +316,7 @@ def main() -> None:
         for m in ms:
             for op in ops(shape):
                 if not a.ops or any(f in op[0] for f in a.ops.split(",")):
-                    bench_op(shape, op, m, rows)
+                    bench_op(shape, op, m, rows, a.only)
         if a.write_table:  # after each shape: a run cut short still leaves a table
             print("wrote table", write_table(rows, ms, a.table_out, not a.ops), flush=True)
     for shape in a.shapes.split(","):

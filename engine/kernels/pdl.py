@@ -1,6 +1,5 @@
 """Programmatic dependent launch (Hopper+): Triton's grid-dependency primitives, imported
-once for every kernel module, and the check whether a launch may use them (and, for the
-skinny GEMM's L2 bulk prefetch, whether the GPU has Hopper's bulk copy instructions).
+once for every kernel module, and the check whether a launch may use them.
 
 A kernel launched with launch_pdl=True may start while the previous kernel still runs; it
 must call gdc_wait() before reading anything that kernel writes (or writing anything), and
@@ -32,16 +31,5 @@ def pdl_supported(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or interpreting() or gdc_wait is None:
         return False
-    return _hopper(device)
-
-
-def bulk_prefetch_supported(device: torch.device) -> bool:
-    """cp.async.bulk.prefetch.L2 (the skinny GEMM's L2 weight prefetch): Hopper or newer,
-    not the interpreter."""
-    device = torch.device(device)
-    return device.type == "cuda" and not interpreting() and _hopper(device)
-
-
-def _hopper(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(idx) >= (9, 0)

@@ -6,7 +6,7 @@ model shapes and writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.
     {"device": "NVIDIA H200", "max_m": 64, "fused_m": [1, 16, 32, 64],
      "entries": [{"n": 6144, "k": 4096, "silu": false, "m": 1,
                   "cfg": [block_n, block_k, num_warps, num_stages, use_dot(, split_k,
-                          prefetch_x, norm_separate(, l2_ahead))]}, ...]}
+                          prefetch_x, norm_separate)]}, ...]}
 Lookup: exact (n, k, silu) and the smallest tuned m >= the batch's m (else the largest).
 fused_m: the tuned m where the fused kernels beat cuBLAS over a whole step; a batch takes
 the fused path when its tuned bucket (the smallest tuned m >= its rows) is in fused_m (a
@@ -115,26 +115,17 @@ class SkinnyConfig:
     # where the tuned table found cuBLAS faster for one op of a batch size the others win
     # (table cfg ["cublas"]); the tile fields are unused
     cublas: bool = False
-    # L2 bulk prefetch window, in K chunks (0: off): before the PDL wait a program asks the
-    # L2 for its next l2_ahead weight chunks, then for chunk i + l2_ahead while loading
-    # chunk i (sm_90+; engine/kernels/skinny_gemm.py)
-    l2_ahead: int = 0
 
     @classmethod
     def from_table(cls, cfg) -> "SkinnyConfig":
         """A tuned table's cfg list: tile fields, or ["cublas"]."""
-        cfg = list(cfg)
-        if cfg == ["cublas"]:
-            return CUBLAS
-        if len(cfg) > 9:
-            raise ValueError(f"a table cfg has at most 9 fields, got {cfg}")
-        return cls(*cfg[:8], l2_ahead=int(cfg[8])) if len(cfg) == 9 else cls(*cfg)
+        return CUBLAS if list(cfg) == ["cublas"] else cls(*cfg)
 
     def to_table(self) -> list:
         if self.cublas:
             return ["cublas"]
         return [self.block_n, self.block_k, self.num_warps, self.num_stages, self.use_dot,
-                self.split_k, self.prefetch_x, self.norm_separate] + ([self.l2_ahead] if self.l2_ahead else [])
+                self.split_k, self.prefetch_x, self.norm_separate]
 
     def k_split(self, k: int) -> tuple[int, int]:
         """(splits, K per split): K per split is a multiple of block_k and no split is empty."""

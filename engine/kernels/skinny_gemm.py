@@ -58,9 +58,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import dot_precision, upcast_dots
-from engine.kernels.pdl import bulk_prefetch_supported, gdc_launch_dependents, gdc_wait, pdl_supported
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
-from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac, _prefetch_w
+from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                         NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
                         HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                         EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                        PDL: tl.constexpr, L2_AHEAD: tl.constexpr):
+                        PDL: tl.constexpr):
     if PDL:
         # let the next kernel (launched with PDL) start its own weight prefetch now
         gdc_launch_dependents()
@@ -102,13 +102,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
     # NOTE: nothing before gdc_wait may read activations or write anything: the previous
     # kernel may still be writing x / residual.
     w, wu = _load_w(w_rows, u_rows, offs_k0, n_mask, K, SILU, EVEN_K, EVEN_N)
-    n0 = pid * BLOCK_N
-    if L2_AHEAD > 0:
-        # the next L2_AHEAD chunks go to the L2 now, also before the wait: no registers hold
-        # them, so a program keeps many more weight bytes in flight than its tiles allow
-        k1 = k_start + BLOCK_K
-        _prefetch_w(w_ptr, n0, N, up_off, stride_wn, k1, tl.minimum(L2_AHEAD * BLOCK_K, k_end - k1),
-                    BLOCK_N, SILU)
     if PDL:
         gdc_wait()
     x = _load_x(x_rows, offs_k0, m_mask, K, EVEN_K)
@@ -119,10 +112,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
         offs_cur = offs_k0
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            if L2_AHEAD > 0:  # keep the window L2_AHEAD chunks ahead of the loads
-                ka = k0 + L2_AHEAD * BLOCK_K
-                _prefetch_w(w_ptr, n0, N, up_off, stride_wn, ka, tl.minimum(BLOCK_K, k_end - ka),
-                            BLOCK_N, SILU)
             w_next, wu_next = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU, EVEN_K, EVEN_N)
             x_next = _load_x(x_rows, offs_k, m_mask, K, EVEN_K)
             acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_cur, K,
@@ -142,10 +131,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
             # bytes in flight per SM)
             for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                if L2_AHEAD > 0:
-                    ka = k0 + L2_AHEAD * BLOCK_K
-                    _prefetch_w(w_ptr, n0, N, up_off, stride_wn, ka, tl.minimum(BLOCK_K, k_end - ka),
-                                BLOCK_N, SILU)
                 w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU, EVEN_K, EVEN_N)
                 x = _load_x(x_rows, offs_k, m_mask, K, EVEN_K)
                 acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k, K,
@@ -261,7 +246,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     launch = {"launch_pdl": True} if pdl else {}
     n_tiles = triton.cdiv(N, cfg.block_n)
     splits, k_per = cfg.k_split(K)
-    l2_ahead = cfg.l2_ahead if cfg.l2_ahead > 0 and k_per > cfg.block_k and _bulk_ok(weight) else 0
     if splits > 1:
         ws = torch.empty((splits, 2 if silu else 1, bm, N), dtype=torch.float32, device=x.device)
         ssq_ws = (torch.empty((n_tiles, splits, bm), dtype=torch.float32, device=x.device)
@@ -280,17 +264,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0,
         PREC=dot_precision(torch.float32 if upcast else weight.dtype), UPCAST=upcast,
-        PDL=bool(pdl), L2_AHEAD=l2_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch)
+        PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     return out
-
-
-def _bulk_ok(weight: torch.Tensor) -> bool:
-    """The L2 bulk prefetch needs sm_90+ and 16-byte aligned rows and row lengths (the K
-    chunks are then aligned too: BLOCK_K >= 16 elements)."""
-    esz = weight.element_size()
-    return (bulk_prefetch_supported(weight.device) and weight.data_ptr() % 16 == 0
-            and (weight.stride(0) * esz) % 16 == 0 and (weight.shape[1] * esz) % 16 == 0)
 
 
 def _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out):

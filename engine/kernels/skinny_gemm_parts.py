@@ -1,7 +1,6 @@
 """Triton pieces of the skinny decode GEMM (engine/kernels/skinny_gemm.py, whose docstring
-says what each does): weight / activation chunk loads, the L2 bulk prefetch of weight
-chunks, the multiply-accumulate of one K chunk (with the fused norm prologue), and the
-epilogues."""
+says what each does): weight / activation chunk loads, the multiply-accumulate of one K
+chunk (with the fused norm prologue), and the epilogues."""
 from __future__ import annotations
 
 import triton
@@ -27,33 +26,6 @@ def _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU: tl.constexpr, EVEN_K: tl.co
     if SILU:
         wu = _load_tile(u_rows, offs_k, n_mask, K, EVEN_K, EVEN_N)
     return w, wu
-
-
-@triton.jit
-def _bulk_l2_prefetch(ptr, nbytes):
-    """Asks the L2 to fetch [ptr, ptr + nbytes): one TMA bulk prefetch (sm_90+), issued by
-    thread 0 of the program only. No registers or shared memory hold the bytes and nothing
-    waits for them. ptr must be 16-byte aligned and nbytes a multiple of 16 (the launcher
-    checks; the instruction faults otherwise)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_w(w_ptr, n0, N, up_off, stride_wn, k0, cnt, BLOCK_N: tl.constexpr,
-                SILU: tl.constexpr):
-    """L2 prefetch of weight columns [k0, k0 + cnt) of the tile's rows n0.. (< N), and of
-    their 'up' rows with SILU; nothing when cnt <= 0. One bulk request per row."""
-    if cnt > 0:
-        nbytes = cnt * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        for r in tl.static_range(BLOCK_N):
-            if n0 + r < N:
-                row = w_ptr + (n0 + r).to(tl.int64) * stride_wn + k0
-                _bulk_l2_prefetch(row, nbytes)
-                if SILU:
-                    _bulk_l2_prefetch(row + up_off.to(tl.int64) * stride_wn, nbytes)
 
 
 @triton.jit
