@@ -1,0 +1,119 @@
+"""What a kernel boundary costs inside a CUDA graph (diagnostic, one GPU).
+
+    python -m bench.kernel_boundary [--sizes-mb 8,34,50,117,235] [--chain 32]
+
+A decode step at batch 1 is a chain of ~6 dependent kernels per layer, most of them
+weight-streaming matmuls. This measures, for chains of identical kernels replayed as one
+CUDA graph (median per kernel):
+  empty:     1-program-per-SM kernels that do nothing but the grid-dependency handshake:
+             the floor of a boundary, plain launch vs programmatic dependent launch (PDL);
+  read, wait first:  a pure streaming read of S MB (each program sums its contiguous slice,
+             16 KB chunks) that waits for the previous kernel before its first load, which
+             is where a dependent matmul stands (it must read the previous kernel's output);
+  read, wait last:   the same read with every load issued before the wait (only the final
+             store waits): the ideal overlap PDL allows for bytes that do not depend on the
+             previous kernel, i.e. what a weight stream could reach with no boundary cost.
+Bandwidth = S / time. Compare with the skinny matmuls of bench/skinny_gemm_sweep.py.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.common import print_table, write_result
+from bench.timing import graph_time_ms
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+
+CHUNK = 8192  # bf16 elements per program per loop step (16 KB)
+
+
+@triton.jit
+def _empty_kernel(out_ptr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr, 1.0)
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, per_prog, PDL: tl.constexpr, WAIT_LAST: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        if not WAIT_LAST:
+            gdc_wait()
+    pid = tl.program_id(0)
+    base = x_ptr + pid.to(tl.int64) * per_prog
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, per_prog, BLOCK):
+        acc += tl.load(base + off + tl.arange(0, BLOCK)).to(tl.float32)
+    s = tl.sum(acc, 0)
+    if PDL:
+        if WAIT_LAST:
+            gdc_wait()
+    tl.store(out_ptr + pid, s)
+
+
+def empty_chain_us(grid: int, pdl: bool, chain: int) -> float:
+    out = torch.zeros(1, device="cuda")
+    launch = {"launch_pdl": True} if pdl else {}
+
+    def one():
+        _empty_kernel[(grid,)](out, PDL=pdl, num_warps=4, **launch)
+    return graph_time_ms([one] * chain) * 1e3
+
+
+def read_chain_us(size_mb: float, mode: str, chain: int, sms: int) -> float:
+    """mode: 'plain' (no PDL), 'wait_first', 'wait_last'. Copies cycle to defeat the L2."""
+    n = int(size_mb * (1 << 20)) // 2
+    progs = 4 * sms  # 4 resident programs per SM, one wave
+    per = max(CHUNK, (n // progs) // CHUNK * CHUNK)
+    n = per * progs
+    copies = max(2, -(-(512 << 20) // (n * 2)))
+    xs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    out = torch.empty(progs, device="cuda")
+    pdl = mode != "plain"
+    launch = {"launch_pdl": True} if pdl else {}
+    fns = [lambda x=x: _read_kernel[(progs,)](x, out, per, PDL=pdl, WAIT_LAST=mode == "wait_last",
+                                              BLOCK=CHUNK, num_warps=8, **launch)
+           for x in xs]
+    fns = (fns * (-(-chain // len(fns))))[:max(chain, len(fns))]
+    us = graph_time_ms(fns) * 1e3
+    del xs
+    torch.cuda.empty_cache()
+    return us, n * 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mb", default="8,34,50,117,235")
+    ap.add_argument("--chain", type=int, default=32)
+    a = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for grid in (sms, 8 * sms):
+        r = {"case": f"empty kernel, grid {grid}"}
+        for pdl in (False, True):
+            r["pdl_us" if pdl else "plain_us"] = round(empty_chain_us(grid, pdl, 4 * a.chain), 2)
+        rows.append(r)
+        print(r, flush=True)
+    for mb in (float(v) for v in a.sizes_mb.split(",")):
+        r = {"case": f"read {mb:g} MB"}
+        for mode in ("plain", "wait_first", "wait_last"):
+            us, nbytes = read_chain_us(mb, mode, a.chain, sms)
+            r[f"{mode}_us"] = round(us, 2)
+            r[f"{mode}_gbs"] = round(nbytes / us / 1e3)
+        rows.append(r)
+        print(r, flush=True)
+    print_table(rows, ["case", "plain_us", "pdl_us", "plain_gbs", "wait_first_us", "wait_first_gbs",
+                       "wait_last_us", "wait_last_gbs"])
+    print("wrote", write_result("kernel_boundary", {"sizes_mb": a.sizes_mb, "chain": a.chain,
+                                                    "sms": sms}, {"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
