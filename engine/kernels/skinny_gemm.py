@@ -46,7 +46,11 @@ a stream-K schedule (a persistent grid of 1-16 programs per SM, each an equal ru
 (tile, K chunk) units, split tiles reduced in rank order) on the 3 best tiles of every op
 at 1 and 64 rows: never more than 1% faster than the tile grid (within noise), often
 slower; so a tile count that leaves a partial last wave is not what holds these matmuls
-below the read ceiling.
+below the read ceiling. Nor is the number of bytes in flight: an L2 prefetch window (thread 0
+of each program asked the L2 for its next weight chunks with cp.async.bulk.prefetch.L2,
+before the PDL wait and then ahead of the K loop; no registers) made whole 8B batch-1 steps
+0-9% slower (bench/results/decode_ab-20261203T082351.json; per op: o_proj and qkv within
+noise, gate_up +4-6%, down +5-6%).
 
 NOTE: rounding differs from the unfused torch sequence by ~1 bf16 ulp (the norm's scale is
 applied after the dot product, not before it); the torch reference below is the oracle.
