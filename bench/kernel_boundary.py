@@ -14,6 +14,11 @@ CUDA graph (median per kernel):
              store waits): the ideal overlap PDL allows for bytes that do not depend on the
              previous kernel, i.e. what a weight stream could reach with no boundary cost.
 Bandwidth = S / time. Compare with the skinny matmuls of bench/skinny_gemm_sweep.py.
+  overlap depth: a latency-bound kernel (one program per SM spinning ~10 us, like decode
+             attention at batch 1, which leaves HBM idle) followed by a 34 MB read that issues
+             its loads before its wait, directly or behind one more tiny PDL kernel (like the
+             attention's split reduce before o_proj): whether the read can start under the
+             spin through an intermediate kernel, or only through a direct edge.
 """
 from __future__ import annotations
 
@@ -56,6 +61,53 @@ def _read_kernel(x_ptr, out_ptr, per_prog, PDL: tl.constexpr, WAIT_LAST: tl.cons
         if WAIT_LAST:
             gdc_wait()
     tl.store(out_ptr + pid, s)
+
+
+@triton.jit
+def _spin_kernel(out_ptr, iters, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    a = tl.program_id(0).to(tl.float32)
+    for _ in range(iters):  # a serial chain: latency, no memory traffic
+        a = a * 0.999 + 1.0
+    tl.store(out_ptr + tl.program_id(0), a)
+
+
+def overlap_rows(sms: int, reps: int = 16) -> list[dict]:
+    n = (34 << 20) // 2
+    progs = 4 * sms
+    per = (n // progs) // CHUNK * CHUNK
+    xs = [torch.randn(per * progs, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+    out = torch.zeros(progs, device="cuda")
+    sp = torch.zeros(sms, device="cuda")
+    pdl = {"launch_pdl": True}
+    iters = 2000
+
+    def spin():
+        _spin_kernel[(sms,)](sp, iters, PDL=True, num_warps=4, **pdl)
+
+    def tiny():
+        _empty_kernel[(sms,)](out, PDL=True, num_warps=4, **pdl)
+
+    def read(x, last):
+        _read_kernel[(progs,)](x, out, per, PDL=True, WAIT_LAST=last, BLOCK=CHUNK, num_warps=8, **pdl)
+
+    cases = {"spin": lambda x: [spin],
+             "spin -> tiny": lambda x: [spin, tiny],
+             "spin -> read (wait first)": lambda x: [spin, lambda: read(x, False)],
+             "spin -> read (loads before wait)": lambda x: [spin, lambda: read(x, True)],
+             "spin -> tiny -> read (wait first)": lambda x: [spin, tiny, lambda: read(x, False)],
+             "spin -> tiny -> read (loads before wait)": lambda x: [spin, tiny, lambda: read(x, True)]}
+    rows = []
+    for name, make in cases.items():
+        fns = [f for i in range(reps) for f in make(xs[i % len(xs)])]
+        per_iter = graph_time_ms(fns) * len(fns) / reps * 1e3
+        rows.append({"case": f"overlap: {name}", "us_per_chain": round(per_iter, 2)})
+        print(rows[-1], flush=True)
+    del xs
+    torch.cuda.empty_cache()
+    return rows
 
 
 def empty_chain_us(grid: int, pdl: bool, chain: int) -> float:
@@ -109,8 +161,9 @@ def main() -> None:
             r[f"{mode}_gbs"] = round(nbytes / us / 1e3)
         rows.append(r)
         print(r, flush=True)
+    rows += overlap_rows(sms)
     print_table(rows, ["case", "plain_us", "pdl_us", "plain_gbs", "wait_first_us", "wait_first_gbs",
-                       "wait_last_us", "wait_last_gbs"])
+                       "wait_last_us", "wait_last_gbs", "us_per_chain"])
     print("wrote", write_result("kernel_boundary", {"sizes_mb": a.sizes_mb, "chain": a.chain,
                                                     "sms": sms}, {"rows": rows}))
 
