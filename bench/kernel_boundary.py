@@ -110,6 +110,36 @@ def overlap_rows(sms: int, reps: int = 16) -> list[dict]:
     return rows
 
 
+def gemv_rows(sizes: list[tuple]) -> list[dict]:
+    """Our one-row skinny matmul on the same bytes as the reads: the 8B gate_up weight as a
+    plain 28672-row GEMV, as gate_up+silu, and as norm+gate_up+silu (the shipped op), each with
+    the shipped table's tile and with one fixed tile, chained like the reads (PDL)."""
+    from engine.kernels.skinny_configs import SkinnyConfig, default_config
+    from engine.kernels.skinny_gemm import skinny_linear
+
+    rows = []
+    fixed = SkinnyConfig(4, 512, 4, 3, False)
+    for name, n_w, k, silu, norm in sizes:
+        n = n_w // 2 if silu else n_w
+        copies = max(2, -(-(512 << 20) // (n_w * k * 2)))
+        ws = [torch.randn(n_w, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.ones(k, device="cuda", dtype=torch.bfloat16) if norm else None
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        r = {"case": f"gemv {name}"}
+        for label, cfg in (("table", default_config(1, n, k, x.device, silu)), ("n4k512", fixed)):
+            fns = [lambda w=w, c=cfg: skinny_linear(x, w, norm_weight=g, silu=silu, out=out, config=c)
+                   for w in ws]
+            us = graph_time_ms(fns) * 1e3
+            r[f"{label}_us"] = round(us, 2)
+            r[f"{label}_gbs"] = round(n_w * k * 2 / us / 1e3)
+        rows.append(r)
+        print(r, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 def empty_chain_us(grid: int, pdl: bool, chain: int) -> float:
     out = torch.zeros(1, device="cuda")
     launch = {"launch_pdl": True} if pdl else {}
@@ -144,16 +174,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", default="8,34,50,117,235")
     ap.add_argument("--chain", type=int, default=32)
+    ap.add_argument("--gemv-only", action="store_true", help="only the skinny-matmul rows")
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for grid in (sms, 8 * sms):
+    for grid in (() if a.gemv_only else (sms, 8 * sms)):
         r = {"case": f"empty kernel, grid {grid}"}
         for pdl in (False, True):
             r["pdl_us" if pdl else "plain_us"] = round(empty_chain_us(grid, pdl, 4 * a.chain), 2)
         rows.append(r)
         print(r, flush=True)
-    for mb in (float(v) for v in a.sizes_mb.split(",")):
+    for mb in (float(v) for v in a.sizes_mb.split(",") if v and not a.gemv_only):
         r = {"case": f"read {mb:g} MB"}
         for mode in ("plain", "wait_first", "wait_last"):
             us, nbytes = read_chain_us(mb, mode, a.chain, sms)
@@ -161,9 +192,17 @@ def main() -> None:
             r[f"{mode}_gbs"] = round(nbytes / us / 1e3)
         rows.append(r)
         print(r, flush=True)
-    rows += overlap_rows(sms)
+    if not a.gemv_only:
+        rows += overlap_rows(sms)
+    rows += gemv_rows([("28672x4096 plain", 28672, 4096, False, False),
+                       ("28672x4096 silu", 28672, 4096, True, False),
+                       ("28672x4096 norm+silu", 28672, 4096, True, True),
+                       ("4096x14336 plain", 4096, 14336, False, False),
+                       ("4096x4096 plain", 4096, 4096, False, False),
+                       ("6144x4096 norm", 6144, 4096, False, True)])
     print_table(rows, ["case", "plain_us", "pdl_us", "plain_gbs", "wait_first_us", "wait_first_gbs",
-                       "wait_last_us", "wait_last_gbs", "us_per_chain"])
+                       "wait_last_us", "wait_last_gbs", "us_per_chain", "table_us", "table_gbs",
+                       "n4k512_us", "n4k512_gbs"])
     print("wrote", write_result("kernel_boundary", {"sizes_mb": a.sizes_mb, "chain": a.chain,
                                                     "sms": sms}, {"rows": rows}))
 
