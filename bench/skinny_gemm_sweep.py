@@ -133,6 +133,11 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool, only: str = "") -
                     if bk <= k and k % bk == 0]
         for bn, bk, w in fma[:2]:
             out.append(SkinnyConfig(bn, bk, w, 1, False, 1, True))
+        if m == 1 and norm:  # whole-row tiles with the norm as its own rmsnorm kernel: the
+            # fused prologue's registers cost more than the launch (8B gate_up, 2026-12-03)
+            out += [SkinnyConfig(bn, bk, w, 1, False, 1, False, True) for bn, bk, w in
+                    ((2, 4096, 8), (4, 4096, 8), (2, 2048, 8), (4, 2048, 8))
+                    if bk <= k and k % bk == 0]
         if m == 1:  # the dot path still wins lm_head and down at one row
             return out + [SkinnyConfig(64, 128, 4, st, True) for st in (3, 4)] + [
                 SkinnyConfig(64, 256, 4, 3, True, sk) for sk in (2, 4)]
