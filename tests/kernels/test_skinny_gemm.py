@@ -208,11 +208,14 @@ def test_shipped_tables_are_valid():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_separate_matches_hf_sequence(dtype, device):
-    """norm_separate: rmsnorm kernel (rounded like HF) then the GEMM, with split-K."""
-    m, n, k = 3, 40, 96
+@pytest.mark.parametrize("m,cfg", [(3, SkinnyConfig(16, 16, 4, 1, True, split_k=2, norm_separate=True)),
+                                   # the shipped 8B one-row gate_up: a whole row per program
+                                   (1, SkinnyConfig(2, 128, 8, 1, False, norm_separate=True))])
+def test_norm_separate_matches_hf_sequence(m, cfg, dtype, device):
+    """norm_separate: rmsnorm kernel (rounded like HF) then the GEMM (split-K, or one-row
+    whole-row tiles without a K loop)."""
+    n, k = 40, 128
     x, w, nw, _, _ = _data(m, n, k, dtype, device, seed=21, silu=True)
-    cfg = SkinnyConfig(16, 16, 4, 1, True, split_k=2, norm_separate=True)
     got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=cfg)
     h = rms_norm_ref(x, nw, 1e-5)
     gu = (h.float() @ w.float().T).to(dtype)
