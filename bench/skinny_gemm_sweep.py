@@ -2,7 +2,7 @@
 o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
 Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj] [--only wide]
+    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj]
                                       [--write-table [--table-out F]]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
@@ -22,6 +22,13 @@ gate_up+silu on a whole-row tile, 63.3 vs 64.7 us alone, made the batch-1 step 5
 decode_ab-20261203T074439), so the merged table overwrites entries the step A/B rejected:
 sweep into a candidate (--table-out, or `bash bench/gpu_session.sh candidate`, which also
 runs `bench.decode_ab --table-ab` on it) and ship only the entries that win in whole steps.
+The shipped entry of each (shape, M) is always a candidate, so a sweep never picks a tile
+slower than the current one.
+Tried and dropped (H200, 2026-12-03, skinny_gemm_sweep-20261203T090952): tensor-core tiles
+128-256 weight rows wide with split-K at 64 rows, meant to cut the x re-reads from L2 (each N
+tile reads all of x: m / block_n of the weight bytes): slower on every op but lm_head (o_proj
+22.3 vs 13.3 us, down 45.1 vs 38.7, gate_up 79.7 vs 68.1; lm_head 264.8 vs 269.5), and
+step-neutral (decode_ab-20261203T091022), so those re-reads are not what limits 64 rows.
 """
 from __future__ import annotations
 
@@ -89,34 +96,10 @@ def _split_for(n_tiles: int, sms: int) -> int:
     return s
 
 
-def wide_candidates(m: int, n: int, k: int, norm: bool, silu: bool, sms: int) -> list[SkinnyConfig]:
-    """Tensor-core tiles 128-256 weight rows wide for 16+ rows. Every N tile re-reads the whole
-    x [m, K] from L2, i.e. m / block_n of the weight bytes: with 32-row tiles at 64 rows that is
-    twice the weight traffic again through L2, so 64-row matmuls ran 15-25% below one-row
-    ones (H200 sweep 2026-12-03). Wide tiles cut it to a half / a quarter; split-K brings the
-    program count back to one or two per SM."""
-    out = []
-    for bn, w in ((128, 4), (128, 8), (256, 8)):
-        s1 = _split_for(-(-n // bn), sms)
-        for bk in (64, 128):
-            for split in sorted({s1, 2 * s1}):
-                if -(-k // bk) < 2 * split:  # at least 2 K chunks per split
-                    continue
-                for st in ((3, 4) if bk == 64 else (3,)):
-                    c = SkinnyConfig(bn, bk, w, st, True, split, False, norm and m >= 32)
-                    if c.smem_bytes(m, silu) <= SMEM_LIMIT:
-                        out.append(c)
-    return out
-
-
-def candidates(m: int, n: int, k: int, norm: bool, silu: bool, only: str = "") -> list[SkinnyConfig]:
+def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyConfig]:
     """FMA tiles for a few rows; tensor-core tiles with split-K chosen so that N tiles x
-    splits reaches one and two programs per SM; x prefetch variants where a norm is fused;
-    wide tiles from 16 rows (only='wide': those alone)."""
+    splits reaches one and two programs per SM; x prefetch variants where a norm is fused."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    wide = wide_candidates(m, n, k, norm, silu, sms) if m >= 16 else []
-    if only == "wide":
-        return wide
     out = []
     if m <= 8:
         fma = {1: [(4, 1024, 8), (4, 512, 4), (8, 512, 4), (8, 1024, 8), (2, 1024, 8)],
@@ -162,7 +145,7 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool, only: str = "") -
                 c = SkinnyConfig(bn, bk, w, st, True, 1, False, sep)
                 if c.smem_bytes(m, silu) <= SMEM_LIMIT:
                     out.append(c)
-    return out + [c for c in wide if c not in out]
+    return out
 
 
 def cfg_name(c: SkinnyConfig) -> str:
@@ -181,7 +164,7 @@ def shipped_config(m: int, n: int, k: int, silu: bool) -> SkinnyConfig | None:
     return None if c.cublas else c
 
 
-def bench_op(shape, op, m, log_rows, only: str = ""):
+def bench_op(shape, op, m, log_rows):
     name, n, k, norm, silu, resid, f32 = op
     nw = 2 * n if silu else n
     wbytes = nw * k * 2
@@ -222,7 +205,7 @@ def bench_op(shape, op, m, log_rows, only: str = ""):
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             results[cfg_name(c)] = (c, float("nan"), repr(e)[:100])
 
-    cands = candidates(m, n, k, norm, silu, only)
+    cands = candidates(m, n, k, norm, silu)
     cur = shipped_config(m, n, k, silu)
     if cur is not None and cur not in cands:
         cands.append(cur)
@@ -306,8 +289,6 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--ops", default="", help="only the ops whose name contains one of these "
                     "(comma-separated, e.g. qkv,o_proj); default all")
-    ap.add_argument("--only", default="", choices=["", "wide"],
-                    help="wide: only the wide tensor-core tiles (and the shipped entry)")
     ap.add_argument("--write-table", action="store_true")
     ap.add_argument("--table-out", default=None,
                     help="with --write-table: write the merged table here instead of the shipped one")
@@ -321,7 +302,7 @@ def main() -> None:
         for m in ms:
             for op in ops(shape):
                 if not a.ops or any(f in op[0] for f in a.ops.split(",")):
-                    bench_op(shape, op, m, rows, a.only)
+                    bench_op(shape, op, m, rows)
         if a.write_table:  # after each shape: a run cut short still leaves a table
             print("wrote table", write_table(rows, ms, a.table_out, not a.ops), flush=True)
     for shape in a.shapes.split(","):

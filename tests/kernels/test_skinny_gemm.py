@@ -87,7 +87,7 @@ PREFETCH_SPLIT = SkinnyConfig(block_n=16, block_k=16, num_warps=4, num_stages=1,
 
 
 WIDE_SPLIT = SkinnyConfig(block_n=128, block_k=32, num_warps=4, num_stages=3, use_dot=True,
-                          split_k=2)  # the sweep's wide tiles for 16+ rows (N < BLOCK_N here)
+                          split_k=2)  # one tile wider than N (masked rows) with split-K
 
 
 @pytest.mark.parametrize("cfg", [SPLIT_DOT, SPLIT_FMA, PREFETCH, PREFETCH_SPLIT, WIDE_SPLIT])
