@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from bench.common import print_table, write_result
-from bench.timing import graph_time_ms
+from bench.timing import graph_time_ms, l2_defeating_copies
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 CHUNK = 8192  # bf16 elements per program per loop step (16 KB)
@@ -145,11 +145,11 @@ def slab_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows_per_step
               programs: int, pdl: bool = False, num_warps: int = 8) -> torch.Tensor:
     """out[0, n] = w[n] . x[0] with the slab prototype (x [1, K], w [N, K] contiguous)."""
     n, k = w.shape
-    per = -(-(-(-n // programs)) // rows_per_step) * rows_per_step
+    per = triton.cdiv(triton.cdiv(n, programs), rows_per_step) * rows_per_step  # a multiple of R
     launch = {"launch_pdl": True} if pdl else {}
-    _slab_gemv_kernel[(-(-n // per),)](x, w, out, n, k, per, R=rows_per_step,
-                                       BLOCK_K=triton.next_power_of_2(k), PDL=pdl,
-                                       num_warps=num_warps, **launch)
+    _slab_gemv_kernel[(triton.cdiv(n, per),)](x, w, out, n, k, per, R=rows_per_step,
+                                              BLOCK_K=triton.next_power_of_2(k), PDL=pdl,
+                                              num_warps=num_warps, **launch)
     return out
 
 
@@ -164,7 +164,7 @@ def gemv_rows(sizes: list[tuple]) -> list[dict]:
     fixed = SkinnyConfig(4, 512, 4, 3, False)
     for name, n_w, k, silu, norm in sizes:
         n = n_w // 2 if silu else n_w
-        copies = max(2, -(-(512 << 20) // (n_w * k * 2)))
+        copies = l2_defeating_copies(n_w * k * 2)
         ws = [torch.randn(n_w, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         g = torch.ones(k, device="cuda", dtype=torch.bfloat16) if norm else None
@@ -198,13 +198,14 @@ def empty_chain_us(grid: int, pdl: bool, chain: int) -> float:
     return graph_time_ms([one] * chain) * 1e3
 
 
-def read_chain_us(size_mb: float, mode: str, chain: int, sms: int) -> float:
-    """mode: 'plain' (no PDL), 'wait_first', 'wait_last'. Copies cycle to defeat the L2."""
+def read_chain_us(size_mb: float, mode: str, chain: int, sms: int) -> tuple[float, int]:
+    """(us per read, bytes read); mode: 'plain' (no PDL), 'wait_first', 'wait_last'. Copies
+    cycle to defeat the L2."""
     n = int(size_mb * (1 << 20)) // 2
     progs = 4 * sms  # 4 resident programs per SM, one wave
     per = max(CHUNK, (n // progs) // CHUNK * CHUNK)
     n = per * progs
-    copies = max(2, -(-(512 << 20) // (n * 2)))
+    copies = l2_defeating_copies(n * 2)
     xs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     out = torch.empty(progs, device="cuda")
     pdl = mode != "plain"

@@ -39,7 +39,7 @@ import torch
 import triton
 
 from bench.common import print_table, write_result
-from bench.timing import graph_time_ms
+from bench.timing import graph_time_ms, l2_defeating_copies
 from engine.kernels.rmsnorm import rms_norm
 from engine.kernels.skinny_configs import CUBLAS, SkinnyConfig, lookup, table_path
 from engine.kernels.skinny_gemm import skinny_linear
@@ -168,7 +168,7 @@ def bench_op(shape, op, m, log_rows):
     name, n, k, norm, silu, resid, f32 = op
     nw = 2 * n if silu else n
     wbytes = nw * k * 2
-    copies = max(2, -(-(512 << 20) // wbytes))
+    copies = l2_defeating_copies(wbytes)
     ws = [torch.randn(nw, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     g = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16() if norm else None

@@ -7,6 +7,13 @@ import statistics
 import torch
 
 
+def l2_defeating_copies(nbytes: int, total: int = 512 << 20) -> int:
+    """How many copies of an nbytes operand to cycle through so that together they exceed
+    the L2 many times over (>= `total` bytes, at least 2): each timed call then reads from
+    DRAM, as in a decode step."""
+    return max(2, -(-total // nbytes))
+
+
 def cuda_time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
     """Median ms of fn() over `iters` runs, each bracketed by its own CUDA events."""
     for _ in range(warmup):
