@@ -110,53 +110,10 @@ def overlap_rows(sms: int, reps: int = 16) -> list[dict]:
     return rows
 
 
-@triton.jit
-def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog, R: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Prototype one-row GEMV shaped like the pure read: a program owns a contiguous slab of
-    whole rows (rows_per_prog, a multiple of R) and walks it R rows (R * K * 2 contiguous
-    bytes) per step, the next step's rows requested before this step's math (register double
-    buffering); x [K] is read once after the wait and stays in registers. K <= BLOCK_K."""
-    if PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    r0 = pid * rows_per_prog
-    r_end = tl.minimum(N, r0 + rows_per_prog)
-    offs_r = tl.arange(0, R)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    rows = r0 + offs_r
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :],
-                mask=(rows < r_end)[:, None] & k_mask[None, :], other=0.0)
-    if PDL:
-        gdc_wait()
-    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    for r in range(r0, r_end, R):
-        nxt = r + R + offs_r
-        w_next = tl.load(w_ptr + nxt.to(tl.int64)[:, None] * K + offs_k[None, :],
-                         mask=(nxt < r_end)[:, None] & k_mask[None, :], other=0.0)
-        y = tl.sum(w.to(tl.float32) * x[None, :], 1)
-        cur = r + offs_r
-        tl.store(out_ptr + cur, y.to(out_ptr.dtype.element_ty), mask=cur < r_end)
-        w = w_next
-
-
-def slab_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows_per_step: int,
-              programs: int, pdl: bool = False, num_warps: int = 8) -> torch.Tensor:
-    """out[0, n] = w[n] . x[0] with the slab prototype (x [1, K], w [N, K] contiguous)."""
-    n, k = w.shape
-    per = triton.cdiv(triton.cdiv(n, programs), rows_per_step) * rows_per_step  # a multiple of R
-    launch = {"launch_pdl": True} if pdl else {}
-    _slab_gemv_kernel[(triton.cdiv(n, per),)](x, w, out, n, k, per, R=rows_per_step,
-                                              BLOCK_K=triton.next_power_of_2(k), PDL=pdl,
-                                              num_warps=num_warps, **launch)
-    return out
-
-
 def gemv_rows(sizes: list[tuple]) -> list[dict]:
     """Our one-row skinny matmul on the same bytes as the reads: the 8B gate_up weight as a
     plain 28672-row GEMV, as gate_up+silu, and as norm+gate_up+silu (the shipped op), each with
-    the shipped table's tile and with one fixed tile, chained like the reads (PDL)."""
+    the shipped table's tile, one fixed tile and a few slab GEMVs, chained like the reads (PDL)."""
     from engine.kernels.skinny_configs import SkinnyConfig, default_config
     from engine.kernels.skinny_gemm import skinny_linear
 
@@ -176,12 +133,12 @@ def gemv_rows(sizes: list[tuple]) -> list[dict]:
             us = graph_time_ms(fns) * 1e3
             r[f"{label}_us"] = round(us, 2)
             r[f"{label}_gbs"] = round(n_w * k * 2 / us / 1e3)
-        if not silu and not norm:  # the slab prototype: 4 programs per SM, 1-4 rows a step
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            for rps in (1, 2, 4):
-                fns = [lambda w=w: slab_gemv(x, w, out, rps, 4 * sms, pdl=True) for w in ws]
-                us = graph_time_ms(fns) * 1e3
-                r[f"slab{rps}_us"] = round(us, 2)
+        # the slab GEMV (engine/kernels/slab_gemv.py): R rows a step, P programs per SM
+        for rps, warps, per_sm in ((1, 8, 4), (2, 8, 3), (4, 8, 2)) if k <= 8192 else ((1, 8, 2), (2, 8, 1)):
+            cfg = SkinnyConfig(rps, 4096, warps, 1, False, slab=per_sm)
+            fns = [lambda w=w: skinny_linear(x, w, norm_weight=g, silu=silu, out=out, config=cfg)
+                   for w in ws]
+            r[f"slab{rps}_us"] = round(graph_time_ms(fns) * 1e3, 2)
         rows.append(r)
         print(r, flush=True)
         del ws

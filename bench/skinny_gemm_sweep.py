@@ -3,7 +3,7 @@ o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-
 Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
     python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj]
-                                      [--write-table [--table-out F]]
+                                      [--only slab] [--write-table [--table-out F]]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
 copies to defeat the L2 (>= 512 MB per case); replayed, CUDA events, median / R.
@@ -43,6 +43,7 @@ from bench.timing import graph_time_ms, l2_defeating_copies
 from engine.kernels.rmsnorm import rms_norm
 from engine.kernels.skinny_configs import CUBLAS, SkinnyConfig, lookup, table_path
 from engine.kernels.skinny_gemm import skinny_linear
+from engine.kernels.slab_gemv import MAX_K as SLAB_MAX_K
 
 SHAPES = {  # name: (hidden, q_size, q+2kv, intermediate, vocab)
     "llama-3.2-1b": (2048, 2048, 2048 + 2 * 512, 8192, 128256),
@@ -123,7 +124,7 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
                     if bk <= k and k % bk == 0]
         if m == 1:  # the dot path still wins lm_head and down at one row
             return out + [SkinnyConfig(64, 128, 4, st, True) for st in (3, 4)] + [
-                SkinnyConfig(64, 256, 4, 3, True, sk) for sk in (2, 4)]
+                SkinnyConfig(64, 256, 4, 3, True, sk) for sk in (2, 4)] + slab_candidates(k, norm)
     for bn in (32, 64):
         s1 = _split_for(-(-n // bn), sms)
         for bk in (128, 256):
@@ -148,7 +149,26 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
     return out
 
 
+def slab_candidates(k: int, norm: bool) -> list[SkinnyConfig]:
+    """One-row slab GEMVs (engine/kernels/slab_gemv.py): (rows a step, warps, programs per SM).
+    A program holds R whole rows twice (double buffering) in registers, so wide rows take
+    fewer rows a step and fewer programs per SM (more than fit would run a second wave)."""
+    if k > SLAB_MAX_K:
+        return []
+    if k > 8192:
+        grid = [(1, 8, 1), (1, 8, 2), (2, 8, 1), (1, 16, 1), (2, 16, 1)]
+    else:
+        grid = [(r, 8, p) for r in (1, 2, 4) for p in (2, 3, 4)] + [(1, 4, 4), (1, 4, 8), (2, 4, 4)]
+    bk = min(4096, k & -k)  # the tile kernel's chunk where the entry meets more rows
+    out = [SkinnyConfig(r, bk, w, 1, False, slab=p) for r, w, p in grid]
+    if norm:  # the norm as its own kernel, for a few
+        out += [SkinnyConfig(r, bk, w, 1, False, norm_separate=True, slab=p) for r, w, p in grid[::3]]
+    return out
+
+
 def cfg_name(c: SkinnyConfig) -> str:
+    if c.slab:
+        return f"slab r{c.block_n} w{c.num_warps} p{c.slab}" + (" norm-sep" if c.norm_separate else "")
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
             + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" px" if c.prefetch_x else "")
             + (" norm-sep" if c.norm_separate else ""))
@@ -164,7 +184,7 @@ def shipped_config(m: int, n: int, k: int, silu: bool) -> SkinnyConfig | None:
     return None if c.cublas else c
 
 
-def bench_op(shape, op, m, log_rows):
+def bench_op(shape, op, m, log_rows, only: str = ""):
     name, n, k, norm, silu, resid, f32 = op
     nw = 2 * n if silu else n
     wbytes = nw * k * 2
@@ -205,7 +225,7 @@ def bench_op(shape, op, m, log_rows):
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             results[cfg_name(c)] = (c, float("nan"), repr(e)[:100])
 
-    cands = candidates(m, n, k, norm, silu)
+    cands = [c for c in candidates(m, n, k, norm, silu) if not only or only in cfg_name(c)]
     cur = shipped_config(m, n, k, silu)
     if cur is not None and cur not in cands:
         cands.append(cur)
@@ -289,6 +309,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--ops", default="", help="only the ops whose name contains one of these "
                     "(comma-separated, e.g. qkv,o_proj); default all")
+    ap.add_argument("--only", default="", help="only the candidates whose name contains this "
+                    "(e.g. slab), besides the shipped entry")
     ap.add_argument("--write-table", action="store_true")
     ap.add_argument("--table-out", default=None,
                     help="with --write-table: write the merged table here instead of the shipped one")
@@ -302,7 +324,7 @@ def main() -> None:
         for m in ms:
             for op in ops(shape):
                 if not a.ops or any(f in op[0] for f in a.ops.split(",")):
-                    bench_op(shape, op, m, rows)
+                    bench_op(shape, op, m, rows, a.only)
         if a.write_table:  # after each shape: a run cut short still leaves a table
             print("wrote table", write_table(rows, ms, a.table_out, not a.ops), flush=True)
     for shape in a.shapes.split(","):

@@ -6,7 +6,7 @@ model shapes and writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.
     {"device": "NVIDIA H200", "max_m": 64, "fused_m": [1, 16, 32, 64],
      "entries": [{"n": 6144, "k": 4096, "silu": false, "m": 1,
                   "cfg": [block_n, block_k, num_warps, num_stages, use_dot(, split_k,
-                          prefetch_x, norm_separate)]}, ...]}
+                          prefetch_x, norm_separate(, slab))]}, ...]}
 Lookup: exact (n, k, silu) and the smallest tuned m >= the batch's m (else the largest).
 fused_m: the tuned m where the fused kernels beat cuBLAS over a whole step; a batch takes
 the fused path when its tuned bucket (the smallest tuned m >= its rows) is in fused_m (a
@@ -111,6 +111,10 @@ class SkinnyConfig:
     # per-chunk register work (x^2 sums, * g, the x tile through registers into the dot)
     # costs more than one extra launch
     norm_separate: bool = False
+    # > 0: at one row, the slab GEMV (engine/kernels/slab_gemv.py) with this many programs
+    # per SM, block_n rows a step and num_warps warps (whole rows: block_k is only used by
+    # the tile kernel, which runs the entry for more rows or K > slab_gemv.MAX_K)
+    slab: int = 0
     # this op runs on cuBLAS inside the fused path (rmsnorm kernel, F.linear, torch epilogues):
     # where the tuned table found cuBLAS faster for one op of a batch size the others win
     # (table cfg ["cublas"]); the tile fields are unused
@@ -124,8 +128,9 @@ class SkinnyConfig:
     def to_table(self) -> list:
         if self.cublas:
             return ["cublas"]
-        return [self.block_n, self.block_k, self.num_warps, self.num_stages, self.use_dot,
-                self.split_k, self.prefetch_x, self.norm_separate]
+        cfg = [self.block_n, self.block_k, self.num_warps, self.num_stages, self.use_dot,
+               self.split_k, self.prefetch_x, self.norm_separate]
+        return cfg + [self.slab] if self.slab else cfg
 
     def k_split(self, k: int) -> tuple[int, int]:
         """(splits, K per split): K per split is a multiple of block_k and no split is empty."""

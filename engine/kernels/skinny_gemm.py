@@ -23,7 +23,9 @@ and no separate norm / activation / residual kernels:
          every element is read and written by the same program).
   BIAS:  y += bias[n] before the epilogues above.
 
-At 32+ rows the tuned table may run NORM as a separate rmsnorm kernel instead
+At one row the tuned table may run the op as a slab GEMV instead (SkinnyConfig.slab;
+engine/kernels/slab_gemv.py: a one-wave grid of programs, each streaming a contiguous slab
+of whole rows, like a pure read). At 32+ rows the tuned table may run NORM as a separate rmsnorm kernel instead
 (SkinnyConfig.norm_separate; HF's own rounding: normed x rounded to the activation dtype).
 
 Two inner products: USE_DOT (tensor cores, x padded to BLOCK_M >= 16 rows; the weight tile
@@ -65,6 +67,8 @@ from engine.kernels.common import dot_precision, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
 from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac
+from engine.kernels.slab_gemv import MAX_K as SLAB_MAX_K
+from engine.kernels.slab_gemv import slab_gemv
 
 
 @triton.jit
@@ -243,6 +247,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         from engine.kernels.rmsnorm import rms_norm
 
         x, norm_weight = rms_norm(x, norm_weight, eps), None
+    if cfg.slab and M == 1 and K <= SLAB_MAX_K and weight.stride(0) == K:
+        return slab_gemv(x, weight, out, rows_per_step=cfg.block_n, programs_per_sm=cfg.slab,
+                         num_warps=cfg.num_warps, bias=bias, norm_weight=norm_weight, eps=eps,
+                         silu=silu, residual=residual, pdl=pdl)
     bm = cfg.block_m(M)
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
     if pdl is None:
