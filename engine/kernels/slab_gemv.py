@@ -20,6 +20,15 @@ matching up rows), BIAS, RESID (y + residual; out may alias residual). The epilo
 the skinny GEMM's (skinny_gemm_parts._epilogue), so rounding matches it.
 
 Limit: a whole row lives in registers (BLOCK_K = next power of 2 of K), so K <= MAX_K.
+
+Measured (H200, 2026-12-03; bench/results/skinny_gemm_sweep-20261203T103555 and the
+decode_ab files named in the table's step_ab notes): alone, every one-row op of both Llama
+shapes is faster as a slab than as a tile (8B qkv+norm 17.2 -> 13.4 us, gate_up+norm+silu
+60-64 -> 54.6, down 31 -> 29.1, lm_head 243 -> 232 = 4.53 TB/s). Inside whole steps the 1B
+ops and the 8B qkv and down win (1B step -7.5%, 8B -6.3%), but the 8B gate_up with the norm
+fused makes the step 7-8% slower (2-4 rows a step, 2-3 programs per SM: +19-23%), and with
+the norm as its own kernel it is neutral; so the tuned table, not this kernel, decides where
+it runs, from whole-step A/Bs.
 """
 from __future__ import annotations
 
