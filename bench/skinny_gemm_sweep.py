@@ -23,7 +23,9 @@ decode_ab-20261203T074439), so the merged table overwrites entries the step A/B 
 sweep into a candidate (--table-out, or `bash bench/gpu_session.sh candidate`, which also
 runs `bench.decode_ab --table-ab` on it) and ship only the entries that win in whole steps.
 The shipped entry of each (shape, M) is always a candidate, so a sweep never picks a tile
-slower than the current one.
+slower than the current one. The same holds for the one-row slab GEMVs (--only slab; H200,
+2026-12-03, skinny_gemm_sweep-20261203T103555): every op won alone, but the 8B gate_up slab
+made whole steps 7-8% slower with its norm fused (decode_ab-20261203T111757, -T112704).
 Tried and dropped (H200, 2026-12-03, skinny_gemm_sweep-20261203T090952): tensor-core tiles
 128-256 weight rows wide with split-K at 64 rows, meant to cut the x re-reads from L2 (each N
 tile reads all of x: m / block_n of the weight bytes): slower on every op but lm_head (o_proj
