@@ -204,7 +204,11 @@ def test_shipped_tables_are_valid():
             if c.cublas:
                 continue
             assert c.block_n & (c.block_n - 1) == 0 and c.block_k & (c.block_k - 1) == 0
-            assert e["k"] % c.block_k == 0 and c.num_warps in (1, 2, 4, 8) and c.split_k >= 1
+            assert e["k"] % c.block_k == 0 and c.num_warps in (1, 2, 4, 8, 16) and c.split_k >= 1
+            if c.slab:  # a slab entry must be one the slab GEMV runs: one row, whole rows fit
+                from engine.kernels.slab_gemv import MAX_K
+
+                assert e["m"] == 1 and e["k"] <= MAX_K and c.slab >= 1 and c.block_n in (1, 2, 4, 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
