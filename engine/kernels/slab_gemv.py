@@ -19,6 +19,12 @@ fused [gate | up] weight of 2N rows; y = silu(gate) * up, one slab of gate rows 
 matching up rows), BIAS, RESID (y + residual; out may alias residual). The epilogues are
 the skinny GEMM's (skinny_gemm_parts._epilogue), so rounding matches it.
 
+One wave: a table entry asks for a number of programs per SM, but how many fit depends on
+the registers the compiler gave the kernel (Triton releases differ), and a second wave would
+stall the whole op behind its slowest slab. The first launch of each kernel variant reads its
+register and shared-memory use and later launches ask for at most what fits (the split into
+slabs never changes a row's result: one program computes each row the same way).
+
 Limit: a whole row lives in registers (BLOCK_K = next power of 2 of K), so K <= MAX_K.
 
 Measured (H200, 2026-12-03; bench/results/skinny_gemm_sweep-20261203T103555 and the
@@ -32,6 +38,8 @@ it runs, from whole-step A/Bs.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +48,34 @@ from engine.kernels.common import num_sms
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.skinny_gemm_parts import _epilogue
 
+log = logging.getLogger("splitserve.engine.kernels")
+
 MAX_K = 16384
+# (device index, kernel variant) -> programs of it that fit on one SM (from its first launch)
+_FIT: dict[tuple, int] = {}
+
+
+def programs_that_fit(n_regs: int, num_warps: int, shared_bytes: int = 0, regs_per_sm: int = 65536,
+                      threads_per_sm: int = 2048, smem_per_sm: int = 228 * 1024,
+                      blocks_per_sm: int = 32) -> int:
+    """Resident programs per SM for a kernel using n_regs registers per thread (allocated per
+    warp in units of 256) and shared_bytes of shared memory per program; at least 1."""
+    warp_regs = -(-n_regs * 32 // 256) * 256
+    fit = min(regs_per_sm // max(1, warp_regs * num_warps), threads_per_sm // (32 * num_warps),
+              blocks_per_sm, smem_per_sm // shared_bytes if shared_bytes else blocks_per_sm)
+    return max(1, fit)
+
+
+def _fit_of(compiled, num_warps: int, device: torch.device) -> int | None:
+    n_regs = getattr(compiled, "n_regs", None)
+    if not n_regs:  # the interpreter, or a Triton that does not report it
+        return None
+    p = torch.cuda.get_device_properties(device)
+    shared = getattr(getattr(compiled, "metadata", None), "shared", 0) or 0
+    return programs_that_fit(int(n_regs), num_warps, int(shared),
+                             getattr(p, "regs_per_multiprocessor", 65536),
+                             getattr(p, "max_threads_per_multi_processor", 2048),
+                             getattr(p, "shared_memory_per_multiprocessor", 228 * 1024))
 
 
 @triton.jit
@@ -115,16 +150,26 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
         raise ValueError("slab GEMV needs contiguous weight rows")
     N = NW // 2 if silu else NW
     R = rows_per_step
-    programs = max(1, min(triton.cdiv(N, R), programs_per_sm * num_sms(x.device)))
-    per = triton.cdiv(triton.cdiv(N, programs), R) * R
     if pdl is None:
         pdl = pdl_supported(x.device)
+    consts = dict(R=R, BLOCK_K=triton.next_power_of_2(K), NORM=norm_weight is not None, SILU=silu,
+                  RESID=residual is not None, HAS_BIAS=bias is not None,
+                  EVEN_K=triton.next_power_of_2(K) == K, PDL=bool(pdl))
+    key = (x.device.index, x.dtype, weight.dtype, out.dtype, num_warps, *consts.values())
+    fit = _FIT.get(key)
+    per_sm = programs_per_sm if fit is None else min(programs_per_sm, fit)
+    programs = max(1, min(triton.cdiv(N, R), per_sm * num_sms(x.device)))
+    per = triton.cdiv(triton.cdiv(N, programs), R) * R
     launch = {"launch_pdl": True} if pdl else {}
-    _slab_gemv_kernel[(triton.cdiv(N, per),)](
+    compiled = _slab_gemv_kernel[(triton.cdiv(N, per),)](
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,
-        N, K, N, per, float(eps), R=R, BLOCK_K=triton.next_power_of_2(K),
-        NORM=norm_weight is not None, SILU=silu, RESID=residual is not None,
-        HAS_BIAS=bias is not None, EVEN_K=triton.next_power_of_2(K) == K, PDL=bool(pdl),
-        num_warps=num_warps, num_stages=1, **launch)
+        N, K, N, per, float(eps), num_warps=num_warps, num_stages=1, **consts, **launch)
+    if fit is None and x.is_cuda:
+        fit = _fit_of(compiled, num_warps, x.device)
+        if fit is not None:
+            _FIT[key] = fit
+            if fit < programs_per_sm:
+                log.info("slab GEMV (R=%d, %d warps): %d programs per SM asked, %d fit; using %d",
+                         R, num_warps, programs_per_sm, fit, fit)
     return out

@@ -100,3 +100,16 @@ def test_long_slabs(cfg, device):
     r = res.clone()
     skinny_linear(x, wn, residual=r, out=r, config=cfg)
     assert _rel(r, (x.float() @ wn.float().T).to(dtype).float() + res.float()) < TOL[dtype]
+
+
+def test_programs_that_fit():
+    """Occupancy from registers (allocated per warp in units of 256), threads and shared memory:
+    the one-wave grid never asks for more programs per SM than this."""
+    from engine.kernels.slab_gemv import programs_that_fit
+
+    assert programs_that_fit(58, 8) == 4  # 8B gate_up slab, 1 row a step
+    assert programs_that_fit(72, 8) == 3  # 2 rows a step
+    assert programs_that_fit(86, 16) == 1  # 8B down, 16 warps
+    assert programs_that_fit(32, 4) == 16  # thread-bound: 2048 / 128
+    assert programs_that_fit(32, 4, shared_bytes=100 * 1024) == 2  # shared-memory-bound
+    assert programs_that_fit(255, 32) == 1  # never 0
