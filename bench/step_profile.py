@@ -4,9 +4,16 @@ launches per step, and the gap = step wall time - summed kernel time (launch lat
 dependency waits, host staging), which PDL and fewer kernels per layer attack.
 
     python -m bench.step_profile [--cases llama-3.2-1b:1:1024,llama-3.1-8b:64:2048:fused]
+                                 [--timeline] [--table CANDIDATE.json]
 
 A case's optional 4th field `fused` runs the fused skinny matmuls for every batch up to 64
 rows (else the tuned table decides, as in serving).
+--timeline: the step's kernels in launch order, folded into the per-layer pattern: for each
+position in a layer (qkv, attention split, reduce, o_proj, ...), the median over layers of
+its duration (first program start to last program end; with PDL that includes time spent
+waiting for the previous kernel) and of what it adds to the step (its end minus the previous
+kernel's end): the in-step counterpart of an isolated timing, to compare a table's ops
+inside the step (--table runs the engine on a candidate skinny-GEMM table instead).
 """
 from __future__ import annotations
 
@@ -32,8 +39,58 @@ def kind_of(name: str) -> str:
     return next((k for pat, k in KINDS if pat in name), "other")
 
 
+def layer_pattern(names: list[str], layers: int, max_prologue: int = 16) -> tuple[int, int] | None:
+    """(start, period) of the longest-repeating per-layer kernel pattern: the smallest period p
+    such that from some start <= max_prologue the names repeat with period p over at least
+    layers - 2 layers (the first and last layer may differ: a separate norm, the final norm)."""
+    run = max(1, layers - 2)
+    for p in range(1, len(names) // run + 1):
+        for s0 in range(0, max_prologue + 1):
+            seq = names[s0:s0 + p * run]
+            if len(seq) == p * run and all(seq[i] == seq[i + p] for i in range(len(seq) - p)):
+                return s0, p
+    return None
+
+
+def per_position(kernels: list[tuple[str, float, float]], layers: int) -> list[dict]:
+    """kernels: (name, start_us, end_us) of one step in start order. Per position of the
+    per-layer pattern: median duration and median adds (end - previous kernel's end)."""
+    found = layer_pattern([k[0] for k in kernels], layers)
+    if found is None:
+        return []
+    s0, p = found
+    n_layers = (len(kernels) - s0) // p
+    while n_layers > 0 and [k[0] for k in kernels[s0 + (n_layers - 1) * p:s0 + n_layers * p]] != \
+            [k[0] for k in kernels[s0:s0 + p]]:
+        n_layers -= 1
+    out = []
+    for q in range(p):
+        durs, adds = [], []
+        for j in range(n_layers):
+            i = s0 + j * p + q
+            name, start, end = kernels[i]
+            durs.append(end - start)
+            adds.append(end - (kernels[i - 1][2] if i > 0 else start))
+        durs.sort()
+        adds.sort()
+        out.append({"pos": q, "kernel": kernels[s0 + q][0][:40], "layers": n_layers,
+                    "median_us": round(durs[len(durs) // 2], 2), "adds_us": round(adds[len(adds) // 2], 2)})
+    return out
+
+
+def step_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the GPU kernels a profiler recorded, in start order."""
+    out = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
+    return sorted(out, key=lambda k: k[1])
+
+
 @torch.inference_mode()
-def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool = False) -> list[dict]:
+def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool = False,
+                 timeline: bool = False) -> list[dict]:
     eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
                       prefill_graphs=False, skinny_max_batch=64 if fused else None)
     r = eng.runner
@@ -56,6 +113,19 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
         per_name[e.key][1] += e.count / steps
     kern_us = sum(v[0] for v in per_name.values())
     case = f"{shape} b={batch} ctx={ctx}" + (" fused" if fused else "")
+    if timeline:  # one replay alone, folded into its per-layer pattern
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as one:
+            r.graphs.run_rows(rows)
+            torch.cuda.synchronize()
+        ks = [k for k in step_kernels(one) if "Memcpy" not in k[0]]
+        pos = [{"case": case, **row} for row in per_position(ks, r.model.arch.num_layers)]
+        if ks:
+            pos.append({"case": case, "kernel": "[first start to last end]",
+                        "median_us": round(ks[-1][2] - ks[0][1], 1), "layers": len(ks)})
+        del eng, r
+        gc.collect()
+        torch.cuda.empty_cache()
+        return pos
     out = [{"case": case, "kernel": k[:70], "kind": kind_of(k), "us_per_step": round(v[0], 1),
             "launches_per_step": round(v[1], 1)}
            for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])]
@@ -77,15 +147,26 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="llama-3.2-1b:1:1024,llama-3.1-8b:1:1024,llama-3.1-8b:64:2048")
+    ap.add_argument("--timeline", action="store_true", help="per-layer kernel pattern, in-step times")
+    ap.add_argument("--table", default=None, help="a candidate skinny-GEMM table file to run with")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if a.table:
+        import engine.kernels.skinny_configs as sc
+
+        sc.table_path = lambda _name: a.table
+        sc.load_table.cache_clear()
+        sc.default_config.cache_clear()
     rows = []
     for spec in a.cases.split(","):
         shape, b, c, *flag = spec.split(":")
-        got = profile_case(shape, int(b), int(c), fused=flag == ["fused"])
-        print_table(got, ["case", "kernel", "kind", "us_per_step", "launches_per_step"])
+        got = profile_case(shape, int(b), int(c), fused=flag == ["fused"], timeline=a.timeline)
+        cols = (["case", "pos", "kernel", "layers", "median_us", "adds_us"] if a.timeline
+                else ["case", "kernel", "kind", "us_per_step", "launches_per_step"])
+        print_table(got, cols)
         rows += got
-    print("wrote", write_result("step_profile", {"cases": a.cases, "dtype": "bf16"}, {"rows": rows}))
+    print("wrote", write_result("step_profile", {"cases": a.cases, "dtype": "bf16", "timeline": a.timeline,
+                                                 "table": a.table}, {"rows": rows}))
 
 
 if __name__ == "__main__":
