@@ -25,8 +25,9 @@ and no separate norm / activation / residual kernels:
 
 At one row the tuned table may run the op as a slab GEMV instead (SkinnyConfig.slab;
 engine/kernels/slab_gemv.py: a one-wave grid of programs, each streaming a contiguous slab
-of whole rows, like a pure read). At 32+ rows the tuned table may run NORM as a separate rmsnorm kernel instead
-(SkinnyConfig.norm_separate; HF's own rounding: normed x rounded to the activation dtype).
+of whole rows, like a pure read). At 32+ rows the tuned table may run NORM as a separate
+rmsnorm kernel instead (SkinnyConfig.norm_separate; HF's own rounding: normed x rounded to
+the activation dtype).
 
 Two inner products: USE_DOT (tensor cores, x padded to BLOCK_M >= 16 rows; the weight tile
 goes through shared memory with cp.async / TMA pipelining) and the FMA path for a few rows

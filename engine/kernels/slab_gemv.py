@@ -14,7 +14,7 @@ wait and stays in registers; the first step's weights are requested before that 
 
 Fused, each optional: NORM (x := rmsnorm(x) * g, computed once per program from x in
 registers and rounded exactly like HF: (x * rstd) to the activation dtype, times g, to the
-activation dtype; so the result equals the separate rmsnorm kernel + GEMV), SILU (W is a
+activation dtype: the rounding points of the separate rmsnorm kernel + GEMV), SILU (W is a
 fused [gate | up] weight of 2N rows; y = silu(gate) * up, one slab of gate rows and the
 matching up rows), BIAS, RESID (y + residual; out may alias residual). The epilogues are
 the skinny GEMM's (skinny_gemm_parts._epilogue), so rounding matches it.
@@ -51,7 +51,7 @@ from engine.kernels.skinny_gemm_parts import _epilogue
 log = logging.getLogger("splitserve.engine.kernels")
 
 MAX_K = 16384
-# (device index, kernel variant) -> programs of it that fit on one SM (from its first launch)
+# (device index, shape, kernel variant) -> programs of it that fit on one SM (first launch)
 _FIT: dict[tuple, int] = {}
 
 
@@ -155,7 +155,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
     consts = dict(R=R, BLOCK_K=triton.next_power_of_2(K), NORM=norm_weight is not None, SILU=silu,
                   RESID=residual is not None, HAS_BIAS=bias is not None,
                   EVEN_K=triton.next_power_of_2(K) == K, PDL=bool(pdl))
-    key = (x.device.index, x.dtype, weight.dtype, out.dtype, num_warps, *consts.values())
+    key = (x.device.index, N, K, x.dtype, weight.dtype, out.dtype, num_warps, *consts.values())
     fit = _FIT.get(key)
     per_sm = programs_per_sm if fit is None else min(programs_per_sm, fit)
     programs = max(1, min(triton.cdiv(N, R), per_sm * num_sms(x.device)))
