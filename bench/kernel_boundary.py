@@ -127,18 +127,16 @@ def gemv_rows(sizes: list[tuple]) -> list[dict]:
         g = torch.ones(k, device="cuda", dtype=torch.bfloat16) if norm else None
         out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
         r = {"case": f"gemv {name}"}
-        for label, cfg in (("table", default_config(1, n, k, x.device, silu)), ("n4k512", fixed)):
+        # the slab GEMV (engine/kernels/slab_gemv.py): R rows a step, P programs per SM
+        slabs = ((1, 8, 4), (2, 8, 3), (4, 8, 2)) if k <= 8192 else ((1, 8, 2), (2, 8, 1))
+        cfgs = [("table", default_config(1, n, k, x.device, silu)), ("n4k512", fixed)] + [
+            (f"slab{rps}", SkinnyConfig(rps, 4096, warps, 1, False, slab=per_sm)) for rps, warps, per_sm in slabs]
+        for label, cfg in cfgs:
             fns = [lambda w=w, c=cfg: skinny_linear(x, w, norm_weight=g, silu=silu, out=out, config=c)
                    for w in ws]
             us = graph_time_ms(fns) * 1e3
             r[f"{label}_us"] = round(us, 2)
             r[f"{label}_gbs"] = round(n_w * k * 2 / us / 1e3)
-        # the slab GEMV (engine/kernels/slab_gemv.py): R rows a step, P programs per SM
-        for rps, warps, per_sm in ((1, 8, 4), (2, 8, 3), (4, 8, 2)) if k <= 8192 else ((1, 8, 2), (2, 8, 1)):
-            cfg = SkinnyConfig(rps, 4096, warps, 1, False, slab=per_sm)
-            fns = [lambda w=w: skinny_linear(x, w, norm_weight=g, silu=silu, out=out, config=cfg)
-                   for w in ws]
-            r[f"slab{rps}_us"] = round(graph_time_ms(fns) * 1e3, 2)
         rows.append(r)
         print(r, flush=True)
         del ws

@@ -97,7 +97,33 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
     ids, _, meta = decode_inputs(eng, batch, ctx)
     bt = meta.block_tables.tolist()
     rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
-    wall_ms = cuda_time_ms(lambda: r.graphs.run_rows(rows), iters=50)
+    wall_ms = cuda_time_ms(lambda: r.graphs.run_rows(rows), iters=50)  # (also the warm-up)
+    case = f"{shape} b={batch} ctx={ctx}" + (" fused" if fused else "")
+    try:
+        if timeline:
+            return _timeline_rows(r, rows, case)
+        return _kernel_sum_rows(r, rows, case, steps, wall_ms)
+    finally:
+        del eng, r
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _timeline_rows(r, rows, case: str) -> list[dict]:
+    """One replay alone, its kernels folded into the per-layer pattern."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as one:
+        r.graphs.run_rows(rows)
+        torch.cuda.synchronize()
+    ks = [k for k in step_kernels(one) if "Memcpy" not in k[0]]
+    pos = [{"case": case, **row} for row in per_position(ks, r.model.arch.num_layers)]
+    if ks:
+        pos.append({"case": case, "kernel": "[first start to last end]",
+                    "median_us": round(ks[-1][2] - ks[0][1], 1), "layers": len(ks)})
+    return pos
+
+
+def _kernel_sum_rows(r, rows, case: str, steps: int, wall_ms: float) -> list[dict]:
+    """Kernel time per kernel name and kind over `steps` replays, against the wall time."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             r.graphs.run_rows(rows)
@@ -112,20 +138,6 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
         per_name[e.key][0] += t / steps  # us per step
         per_name[e.key][1] += e.count / steps
     kern_us = sum(v[0] for v in per_name.values())
-    case = f"{shape} b={batch} ctx={ctx}" + (" fused" if fused else "")
-    if timeline:  # one replay alone, folded into its per-layer pattern
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as one:
-            r.graphs.run_rows(rows)
-            torch.cuda.synchronize()
-        ks = [k for k in step_kernels(one) if "Memcpy" not in k[0]]
-        pos = [{"case": case, **row} for row in per_position(ks, r.model.arch.num_layers)]
-        if ks:
-            pos.append({"case": case, "kernel": "[first start to last end]",
-                        "median_us": round(ks[-1][2] - ks[0][1], 1), "layers": len(ks)})
-        del eng, r
-        gc.collect()
-        torch.cuda.empty_cache()
-        return pos
     out = [{"case": case, "kernel": k[:70], "kind": kind_of(k), "us_per_step": round(v[0], 1),
             "launches_per_step": round(v[1], 1)}
            for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])]
@@ -138,9 +150,6 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
                     "launches_per_step": round(sum(v[1] for v in per_name.values()), 1)})
     summary.append({"case": case, "kernel": "[step wall time, graph replay]", "us_per_step": round(wall_ms * 1e3, 1)})
     summary.append({"case": case, "kernel": "[gap: wall - kernels]", "us_per_step": round(wall_ms * 1e3 - kern_us, 1)})
-    del eng, r
-    gc.collect()
-    torch.cuda.empty_cache()
     return out[:25] + summary
 
 
