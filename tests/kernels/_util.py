@@ -1,4 +1,4 @@
-"""Random paged-KV batches for kernel tests (and GPU benchmarks)."""
+"""Random inputs for kernel tests (and GPU benchmarks): paged-KV batches, skinny-GEMM operands."""
 from __future__ import annotations
 
 import torch
@@ -39,3 +39,19 @@ def make_batch(seq_lens: list[int], q_lens: list[int], block_size: int, num_kv_h
         seq_lens_cpu=list(seq_lens), query_start_loc_cpu=qsl,
         is_decode_only=all(ql == 1 for ql in q_lens))
     return kv, meta
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of a against b, in fp32."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def gemm_data(m: int, n: int, k: int, dtype: torch.dtype, device, seed: int, silu: bool = False):
+    """(x [m, k], weight [n or 2n, k], norm weight [k], residual [m, n], bias [n]), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(2 * n if silu else n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
+    res = torch.randn(m, n, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device)
+    return x, w, nw, res, b

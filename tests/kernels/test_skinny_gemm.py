@@ -7,23 +7,12 @@ from engine.kernels.reference import rms_norm_ref, skinny_linear_ref
 from engine.kernels.skinny_configs import CUBLAS, SkinnyConfig, default_config
 from engine.kernels.skinny_gemm import skinny_linear
 
+from ._util import gemm_data, rel_err
+
 FMA = SkinnyConfig(block_n=8, block_k=32, num_warps=4, num_stages=1, use_dot=False)
 DOT = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=True)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
-
-
-def _data(m, n, k, dtype, device, seed, silu=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype).to(device)
-    w = (torch.randn(2 * n if silu else n, k, generator=g) / k ** 0.5).to(dtype).to(device)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
-    res = torch.randn(m, n, generator=g).to(dtype).to(device)
-    b = torch.randn(n, generator=g).to(dtype).to(device)
-    return x, w, nw, res, b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,52 +20,52 @@ def _data(m, n, k, dtype, device, seed, silu=False):
                                        (3, 48, 100, DOT), (16, 32, 64, DOT), (5, 17, 40, DOT),
                                        (3, 21, 100, FMA), (8, 40, 64, FMA)])
 def test_plain_and_bias(m, n, k, cfg, dtype, device):
-    x, w, _, _, b = _data(m, n, k, dtype, device, seed=m * 1000 + n + k)
+    x, w, _, _, b = gemm_data(m, n, k, dtype, device, seed=m * 1000 + n + k)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)  # poison: all written
     skinny_linear(x, w, out=out, config=cfg)
-    assert _rel(out, skinny_linear_ref(x, w)) < TOL[dtype]
+    assert rel_err(out, skinny_linear_ref(x, w)) < TOL[dtype]
     got = skinny_linear(x, w, b, config=cfg)
-    assert _rel(got, skinny_linear_ref(x, w, b)) < TOL[dtype]
+    assert rel_err(got, skinny_linear_ref(x, w, b)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,cfg", [(1, FMA), (1, DOT), (4, DOT), (3, FMA)])
 def test_norm_silu_matches_unfused_sequence(m, cfg, dtype, device):
     n, k = 24, 72  # neither a multiple of the tiles
-    x, w, nw, _, _ = _data(m, n, k, dtype, device, seed=7 + m, silu=True)
+    x, w, nw, _, _ = gemm_data(m, n, k, dtype, device, seed=7 + m, silu=True)
     got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=cfg)
     assert got.shape == (m, n)
-    assert _rel(got, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-5, silu=True)) < TOL[dtype]
+    assert rel_err(got, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-5, silu=True)) < TOL[dtype]
     # the HF sequence: norm (rounded), fused gate|up matmul, silu(gate) * up
     h = rms_norm_ref(x, nw, 1e-5)
     gu = (h.float() @ w.float().T).to(dtype)
     want = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
-    assert _rel(got, want) < (1e-4 if dtype == torch.float32 else 3e-2)
+    assert rel_err(got, want) < (1e-4 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,cfg", [(1, FMA), (6, DOT), (5, FMA)])
 def test_residual_in_place(m, cfg, dtype, device):
     n, k = 32, 80
-    x, w, _, res, _ = _data(m, n, k, dtype, device, seed=11 + m)
+    x, w, _, res, _ = gemm_data(m, n, k, dtype, device, seed=11 + m)
     want = skinny_linear_ref(x, w, residual=res)
     res0 = res.clone()
     out = skinny_linear(x, w, residual=res, out=res, config=cfg)
     assert out.data_ptr() == res.data_ptr()
-    assert _rel(res, want) < TOL[dtype]
-    assert _rel(res, (x.float() @ w.float().T).to(dtype).float() + res0.float()) < TOL[dtype]
+    assert rel_err(res, want) < TOL[dtype]
+    assert rel_err(res, (x.float() @ w.float().T).to(dtype).float() + res0.float()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("m", [1, 2])
 def test_norm_logits_fp32_out(m, device):
     """lm_head use: bf16 activations and weights, fused final norm, fp32 logits."""
     n, k = 70, 64
-    x, w, nw, _, _ = _data(m, n, k, torch.bfloat16, device, seed=3)
+    x, w, nw, _, _ = gemm_data(m, n, k, torch.bfloat16, device, seed=3)
     cfg = default_config(m, n, k, torch.device(device))
     got = skinny_linear(x, w, norm_weight=nw, out_dtype=torch.float32, config=cfg)
     assert got.dtype == torch.float32
     want = rms_norm_ref(x, nw, 1e-6).float() @ w.float().T
-    assert _rel(got, want) < 2e-2
+    assert rel_err(got, want) < 2e-2
 
 
 SPLIT_DOT = SkinnyConfig(block_n=16, block_k=16, num_warps=4, num_stages=1, use_dot=True, split_k=3)
@@ -98,7 +87,7 @@ def test_split_k_and_prefetch(cfg, m, n, k, device):
     from engine.kernels import skinny_gemm as sg
 
     dtype = torch.float32
-    x, w2, nw, res, b = _data(m, n, k, dtype, device, seed=m + n + k, silu=True)
+    x, w2, nw, res, b = gemm_data(m, n, k, dtype, device, seed=m + n + k, silu=True)
     w = w2[:n].contiguous()
     cases = [dict(), dict(bias=b), dict(norm_weight=nw, eps=1e-5, silu=True, w=w2),
              dict(residual=res)]
@@ -106,12 +95,12 @@ def test_split_k_and_prefetch(cfg, m, n, k, device):
         ww = case.pop("w", w)
         want = skinny_linear_ref(x, ww, **case)
         got = skinny_linear(x, ww, config=cfg, **case)
-        assert _rel(got, want) < TOL[dtype], case
+        assert rel_err(got, want) < TOL[dtype], case
         again = skinny_linear(x, ww, config=cfg, **case)
         assert torch.equal(got, again)  # deterministic: fixed split order
     r = res.clone()
     skinny_linear(x, w, residual=r, out=r, config=cfg)  # in place with splits
-    assert _rel(r, skinny_linear_ref(x, w, residual=res)) < TOL[dtype]
+    assert rel_err(r, skinny_linear_ref(x, w, residual=res)) < TOL[dtype]
     for buf in sg._LOCKS.values():
         assert int(buf.abs().sum()) == 0
 
@@ -128,10 +117,10 @@ def test_k_split_never_empty():
 
 def test_split_k_bf16_matches_unsplit(device):
     m, n, k = 4, 48, 192
-    x, w, nw, res, _ = _data(m, n, k, torch.bfloat16, device, seed=5, silu=True)
+    x, w, nw, res, _ = gemm_data(m, n, k, torch.bfloat16, device, seed=5, silu=True)
     a = skinny_linear(x, w, norm_weight=nw, silu=True, config=SPLIT_DOT)
     b = skinny_linear(x, w, norm_weight=nw, silu=True, config=DOT)
-    assert _rel(a, b) < 1e-2
+    assert rel_err(a, b) < 1e-2
 
 
 def test_bad_inputs(device):
@@ -219,12 +208,12 @@ def test_norm_separate_matches_hf_sequence(m, cfg, dtype, device):
     """norm_separate: rmsnorm kernel (rounded like HF) then the GEMM (split-K, or one-row
     whole-row tiles without a K loop)."""
     n, k = 40, 128
-    x, w, nw, _, _ = _data(m, n, k, dtype, device, seed=21, silu=True)
+    x, w, nw, _, _ = gemm_data(m, n, k, dtype, device, seed=21, silu=True)
     got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=cfg)
     h = rms_norm_ref(x, nw, 1e-5)
     gu = (h.float() @ w.float().T).to(dtype)
     want = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
-    assert _rel(got, want) < (1e-4 if dtype == torch.float32 else 3e-2)
+    assert rel_err(got, want) < (1e-4 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -232,23 +221,23 @@ def test_cublas_route_matches_fused_kernel(dtype, device):
     """A table entry ["cublas"] runs the op unfused (rmsnorm, F.linear, torch epilogues) with
     the same interface: every epilogue, out= and the in-place residual."""
     m, n, k = 5, 24, 72
-    x, w, nw, res, b = _data(m, n, k, dtype, device, seed=33, silu=True)
+    x, w, nw, res, b = gemm_data(m, n, k, dtype, device, seed=33, silu=True)
     tol = TOL[dtype]
     want = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=DOT)
     got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=CUBLAS)
-    assert got.shape == (m, n) and _rel(got, want) < tol
+    assert got.shape == (m, n) and rel_err(got, want) < tol
     wn = w[:n].contiguous()
-    assert _rel(skinny_linear(x, wn, b, config=CUBLAS), skinny_linear_ref(x, wn, b)) < tol
+    assert rel_err(skinny_linear(x, wn, b, config=CUBLAS), skinny_linear_ref(x, wn, b)) < tol
     r1, r2 = res.clone(), res.clone()
     skinny_linear(x, wn, residual=r1, out=r1, config=DOT)
     out = skinny_linear(x, wn, residual=r2, out=r2, config=CUBLAS)
-    assert out.data_ptr() == r2.data_ptr() and _rel(r2, r1) < tol
+    assert out.data_ptr() == r2.data_ptr() and rel_err(r2, r1) < tol
     r1, r2 = res.clone(), res.clone()  # silu then the residual
     skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, residual=r1, out=r1, config=DOT)
     skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, residual=r2, out=r2, config=CUBLAS)
-    assert _rel(r2, r1) < tol
+    assert rel_err(r2, r1) < tol
     f32 = skinny_linear(x, wn, out_dtype=torch.float32, config=CUBLAS)
-    assert f32.dtype == torch.float32 and _rel(f32, skinny_linear_ref(x, wn)) < tol
+    assert f32.dtype == torch.float32 and rel_err(f32, skinny_linear_ref(x, wn)) < tol
     assert SkinnyConfig.from_table(["cublas"]) is CUBLAS and CUBLAS.to_table() == ["cublas"]
 
 
@@ -263,12 +252,12 @@ ONE_SPLIT = SkinnyConfig(8, 32, 4, 1, False, split_k=4)  # K = 128: one chunk pe
 def test_one_chunk_programs(cfg, m, n, k, device):
     """A program whose K range is a single chunk (ONE_CHUNK: no K loop) with every epilogue."""
     dtype = torch.float32
-    x, w, nw, res, b = _data(m, n, k, dtype, device, seed=3 * m + n + k, silu=True)
+    x, w, nw, res, b = gemm_data(m, n, k, dtype, device, seed=3 * m + n + k, silu=True)
     wn = w[:n].contiguous()
     got = skinny_linear(x, w, norm_weight=nw, eps=1e-5, silu=True, config=cfg)
-    assert _rel(got, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-5, silu=True)) < TOL[dtype]
-    assert _rel(skinny_linear(x, wn, b, config=cfg), skinny_linear_ref(x, wn, b)) < TOL[dtype]
+    assert rel_err(got, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-5, silu=True)) < TOL[dtype]
+    assert rel_err(skinny_linear(x, wn, b, config=cfg), skinny_linear_ref(x, wn, b)) < TOL[dtype]
     r = res.clone()
     skinny_linear(x, wn, residual=r, out=r, config=cfg)
-    assert _rel(r, skinny_linear_ref(x, wn, residual=res)) < TOL[dtype]
+    assert rel_err(r, skinny_linear_ref(x, wn, residual=res)) < TOL[dtype]
 
