@@ -68,7 +68,7 @@ from engine.kernels.common import dot_precision, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
 from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac
-from engine.kernels.slab_gemv import MAX_K as SLAB_MAX_K
+from engine.kernels.slab_gemv import runs as slab_runs
 from engine.kernels.slab_gemv import slab_gemv
 
 
@@ -248,7 +248,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         from engine.kernels.rmsnorm import rms_norm
 
         x, norm_weight = rms_norm(x, norm_weight, eps), None
-    if cfg.slab and M == 1 and K <= SLAB_MAX_K and weight.stride(0) == K:
+    if cfg.slab and slab_runs(M, weight):
         return slab_gemv(x, weight, out, rows_per_step=cfg.block_n, programs_per_sm=cfg.slab,
                          num_warps=cfg.num_warps, bias=bias, norm_weight=norm_weight, eps=eps,
                          silu=silu, residual=residual, pdl=pdl)

@@ -78,6 +78,12 @@ def _fit_of(compiled, num_warps: int, device: torch.device) -> int | None:
                              getattr(p, "shared_memory_per_multiprocessor", 228 * 1024))
 
 
+def runs(m: int, weight: torch.Tensor) -> bool:
+    """Whether the slab GEMV takes this matmul: one row, contiguous weight rows that fit in
+    registers (K <= MAX_K); otherwise a slab table entry runs the tile kernel."""
+    return m == 1 and weight.shape[1] <= MAX_K and weight.stride(0) == weight.shape[1]
+
+
 @triton.jit
 def _rows(w_ptr, rows, r_end, offs_k, K, EVEN_K: tl.constexpr):
     """[R, BLOCK_K] whole rows `rows` (those < r_end)."""
@@ -143,11 +149,10 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
     """x [1, K] (unit stride), weight [N_w, K] contiguous, out [1, N] (N = N_w, or N_w / 2
     with silu) with unit stride; residual [1, N] (may be out). Shapes are checked by the
     caller (engine.kernels.skinny_gemm.skinny_linear)."""
+    if not runs(x.shape[0], weight):
+        raise ValueError(f"slab GEMV: one row and contiguous weight rows of K <= {MAX_K}, got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)} stride {weight.stride()}")
     NW, K = weight.shape
-    if K > MAX_K:
-        raise ValueError(f"slab GEMV holds whole rows in registers: K={K} > {MAX_K}")
-    if weight.stride(0) != K:
-        raise ValueError("slab GEMV needs contiguous weight rows")
     N = NW // 2 if silu else NW
     R = rows_per_step
     if pdl is None:
