@@ -2,7 +2,8 @@
 and take medians, because re-capturing the same graph moves step times by up to 5% on the H200.
 
     python -m bench.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
-                              [--fused-ab | --attn-cost | --tile-b SPECS | --table-ab CANDIDATE.json [--cases ...]]
+                              [--fused-ab | --attn-cost | --tile-b SPECS | --attr-b SPECS
+                               | --table-ab CANDIDATE.json [--cases ...]]
 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
 prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
@@ -12,6 +13,9 @@ each output checked against the default's. Engine: whole decode steps replayed a
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
 table says).
 --tile-b: whole decode steps, the default 16-bit decode attention tile (A) vs each given tile.
+--attr-b: whole decode steps, a module-level switch at its current value (A) vs the given one
+(B), e.g. --attr-b "engine.kernels.rmsnorm.PDL=False"; SPECS separated by ';' are separate
+A/Bs, and one spec may set several attributes joined by '&'.
 --attn-cost: diagnostic, whole decode steps with attention (A) vs with the attention call
 skipped (B), i.e. what attention costs inside a step, for the cases of --cases.
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
@@ -204,6 +208,55 @@ def engine_table_ab(shape: str, reps: int, candidate: str, cases) -> list[dict]:
         table(shipped)()
 
 
+def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
+    """'pkg.mod[.Class].NAME=VALUE&...' -> [(module or class, NAME, value)]; VALUE is a Python
+    literal. NAME must already exist (a typo is an error, not a silent new attribute)."""
+    import ast
+    import importlib
+
+    out = []
+    for part in spec.split("&"):
+        target, _, text = part.partition("=")
+        names = target.strip().split(".")
+        if len(names) < 2 or not text:
+            raise SystemExit(f"--attr-b {part!r}: want module[.Class].NAME=VALUE")
+        obj, i = None, len(names) - 1
+        while i > 0 and obj is None:  # the longest importable module prefix
+            try:
+                obj = importlib.import_module(".".join(names[:i]))
+            except ImportError:
+                i -= 1
+        if obj is None:
+            raise SystemExit(f"--attr-b {part!r}: no importable module in {target!r}")
+        for name in names[i:-1]:
+            obj = getattr(obj, name, None)
+        if obj is None or not hasattr(obj, names[-1]):
+            raise SystemExit(f"--attr-b {part!r}: {target!r} does not exist")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--attr-b {part!r}: {text!r} is not a Python literal") from None
+        out.append((obj, names[-1], value))
+    return out
+
+
+def engine_attr_ab(shape: str, reps: int, spec: str, cases) -> list[dict]:
+    """Whole decode steps: module attributes at their current values (A) vs set as in spec (B)."""
+    sets = parse_attrs(spec)
+    orig = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
+
+    def assign(pairs):
+        def use(_eng=None):
+            for mod, attr, value in pairs:
+                setattr(mod, attr, value)
+        return use
+
+    try:
+        return _ab(shape, f"attr default(A)/{spec}(B)", cases, assign(orig), assign(sets), reps)
+    finally:
+        assign(orig)()
+
+
 def _ab(shape: str, name: str, cases, set_a, set_b, reps: int) -> list[dict]:
     """One engine sized for `cases` (batch, ctx); per rep, set_a(eng) then set_b(eng), each
     followed by a graph re-capture and a timed step per case; medians per side."""
@@ -246,10 +299,12 @@ def main() -> None:
                     help="engine A/B of the shipped skinny-GEMM table vs each of these instead")
     ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES;...",
                     help="engine A/B of the default 16-bit decode attention tile vs each of these")
+    ap.add_argument("--attr-b", default=None, metavar="MODULE.NAME=VALUE[&...];...",
+                    help="engine A/B of module switches at their defaults vs these values")
     ap.add_argument("--attn-cost", action="store_true",
                     help="diagnostic engine A/B: steps with vs without attention (--cases)")
     ap.add_argument("--cases", default="1:1024,8:1024,16:1024,64:2048",
-                    help="batch:ctx cases of --table-ab / --tile-b")
+                    help="batch:ctx cases of --table-ab / --tile-b / --attr-b")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
@@ -264,6 +319,11 @@ def main() -> None:
                 for cand in a.table_ab.split(","):
                     print(f"[{shape}] skinny table A/B: {cand}", flush=True)
                     erows += engine_table_ab(shape, a.reps, cand, cases)
+                continue
+            if a.attr_b:
+                for spec in a.attr_b.split(";"):
+                    print(f"[{shape}] switch A/B: default vs {spec}", flush=True)
+                    erows += engine_attr_ab(shape, a.reps, spec, cases)
                 continue
             if a.attn_cost:
                 print(f"[{shape}] attention cost in the step (A/B without it)", flush=True)
@@ -281,8 +341,8 @@ def main() -> None:
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab,
-                                      "table_ab": a.table_ab, "tile_b": a.tile_b, "attn_cost": a.attn_cost,
-                                      "cases": a.cases if a.table_ab or a.tile_b or a.attn_cost else None, "copy_gbs": round(bw, 1),
+                                      "table_ab": a.table_ab, "tile_b": a.tile_b, "attr_b": a.attr_b, "attn_cost": a.attn_cost,
+                                      "cases": a.cases if a.table_ab or a.tile_b or a.attr_b or a.attn_cost else None, "copy_gbs": round(bw, 1),
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)

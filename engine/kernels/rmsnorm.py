@@ -2,6 +2,11 @@
 
 Numerics follow HF Llama: normalise in fp32, cast to the input dtype, then multiply by the
 weight (so results match engine.kernels.reference bit-for-bit up to reduction order).
+
+Launched with programmatic dependent launch where supported (engine/kernels/pdl.py), like the
+kernels around it in a decode step: without it this one launch would cut the step's PDL
+chain, so the next kernel (e.g. the gate_up GEMM, whose norm runs here at one row) could not
+request its first weights before the norm ends. PDL is a module switch for whole-step A/Bs.
 """
 from __future__ import annotations
 
@@ -9,11 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
+
+PDL = True  # launch with PDL where pdl_supported (a switch for bench.decode_ab --attr-b)
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                     stride_x, stride_r, stride_o, stride_ro, N: tl.constexpr,
-                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # the next kernel may launch now (its pre-wait part only reads weights); nothing of
+        # the previous kernel's output is read before the wait
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -45,11 +59,13 @@ def _launch(x2, r2, weight, out, res_out, eps, N):
         return
     BLOCK = triton.next_power_of_2(N)
     nw = 4 if BLOCK <= 2048 else 8
+    pdl = PDL and pdl_supported(x2.device)
     _rmsnorm_kernel[(M,)](x2, r2 if r2 is not None else x2, weight, out,
                           res_out if res_out is not None else out, float(eps),
                           x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0),
                           (res_out if res_out is not None else out).stride(0),
-                          N=N, BLOCK=BLOCK, HAS_RES=r2 is not None, num_warps=nw)
+                          N=N, BLOCK=BLOCK, HAS_RES=r2 is not None, PDL=pdl, num_warps=nw,
+                          **({"launch_pdl": True} if pdl else {}))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,22 @@
+"""bench.decode_ab's --attr-b parsing (the A/B itself needs a GPU)."""
+import pytest
+
+from bench.decode_ab import parse_attrs
+
+
+def test_parse_attrs_resolves_modules_and_classes():
+    import engine.kernels.rmsnorm as rn
+    from engine.layers.attention_triton import TritonAttentionBackend as T
+
+    got = parse_attrs("engine.kernels.rmsnorm.PDL=False"
+                      "&engine.layers.attention_triton.TritonAttentionBackend.fuse_decode_rope_max_seqs=64")
+    assert got == [(rn, "PDL", False), (T, "fuse_decode_rope_max_seqs", 64)]
+
+
+@pytest.mark.parametrize("spec", ["engine.kernels.rmsnorm.PDX=1",  # typo: no such attribute
+                                  "engine.kernels.rmsnorm.PDL=maybe",  # not a literal
+                                  "engine.kernels.rmsnorm.PDL",  # no value
+                                  "nosuchmodule.x=1", "PDL=1"])
+def test_parse_attrs_rejects_bad_specs(spec):
+    with pytest.raises(SystemExit):
+        parse_attrs(spec)
