@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
 from engine.kernels.rotary import rotate_rows
 
 
@@ -56,7 +56,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
         # The next kernel (o_proj or the reduce pass, launched with PDL) may start now; it
         # waits for this grid's completion before reading the attention output.
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
         gdc_wait()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -143,6 +144,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
             v = v_nx
             offs_n = offs_nx
 
+    if PDL == 2:  # late trigger (engine/kernels/pdl.py): the context is read
+        gdc_launch_dependents()
     if IS_FP8:
         acc = acc * tl.load(v_scale_ptr)
     has = l_i > 0.0  # false for an empty split / empty sequence
@@ -163,7 +166,8 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
                           D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                           PDL: tl.constexpr):
     if PDL:
-        gdc_launch_dependents()  # see _decode_split_kernel
+        if PDL == 1:
+            gdc_launch_dependents()  # see _decode_split_kernel
         gdc_wait()
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -179,6 +183,8 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
                 mask=s_mask[:, None], other=0.0)
     tot = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
+    if PDL == 2:  # late trigger (engine/kernels/pdl.py)
+        gdc_launch_dependents()
     tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
              mask=offs_d < D)
 
@@ -271,7 +277,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_o = part_lse = out  # unused
     ks = k_scale if is_fp8 else seq_lens
     vs = v_scale if is_fp8 else seq_lens
-    pdl = pdl_supported(q.device)
+    pdl = pdl_mode(q.device)
     launch = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(S, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,

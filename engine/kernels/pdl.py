@@ -20,6 +20,14 @@ except ImportError:  # pragma: no cover - depends on the Triton release
     gdc_launch_dependents = gdc_wait = None
 
 
+# Where a kernel lets the next one launch (griddepcontrol.launch_dependents): at its very start
+# (False), so the next kernel's programs can become resident and request their first weights
+# while this one still runs, or after its main loads (True, "late"), so at most the next kernel
+# runs ahead. A switch for whole-step A/Bs (bench.decode_ab --attr-b); either way a dependent
+# reads nothing of this kernel's output before its gdc_wait (which waits for completion).
+LATE_TRIGGER = False
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -33,3 +41,11 @@ def pdl_supported(device: torch.device) -> bool:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(idx) >= (9, 0)
+
+
+def pdl_mode(device: torch.device, pdl: bool | None = None) -> int:
+    """The kernels' PDL constexpr: 0 no PDL, 1 trigger the dependent at the start, 2 trigger
+    it late (LATE_TRIGGER). pdl: force on / off (None: where pdl_supported)."""
+    if pdl is None:
+        pdl = pdl_supported(device)
+    return (2 if LATE_TRIGGER else 1) if pdl else 0

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
 
-PDL = True  # launch with PDL where pdl_supported (a switch for bench.decode_ab --attr-b)
+PDL = False  # launch with PDL where pdl_supported (a switch for bench.decode_ab --attr-b)
 
 
 @triton.jit
@@ -26,7 +26,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     if PDL:
         # the next kernel may launch now (its pre-wait part only reads weights); nothing of
         # the previous kernel's output is read before the wait
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -40,6 +41,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     var = tl.sum(xf * xf, 0) / N
     y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if PDL == 2:  # late trigger (engine/kernels/pdl.py)
+        gdc_launch_dependents()
     tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -59,7 +62,7 @@ def _launch(x2, r2, weight, out, res_out, eps, N):
         return
     BLOCK = triton.next_power_of_2(N)
     nw = 4 if BLOCK <= 2048 else 8
-    pdl = PDL and pdl_supported(x2.device)
+    pdl = pdl_mode(x2.device) if PDL else 0
     _rmsnorm_kernel[(M,)](x2, r2 if r2 is not None else x2, weight, out,
                           res_out if res_out is not None else out, float(eps),
                           x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0),

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.kv_write import round_to_e4m3
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
 from engine.kernels.rotary import rot_halves
 
 
@@ -29,7 +29,8 @@ def _rope_kv_write_kernel(idx_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_
     if PDL:
         # launched early (PDL) so its launch latency hides under the qkv GEMM's tail; the
         # attention kernel after it may launch early too. Nothing is read before the wait.
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(idx_ptr + t).to(tl.int64)
@@ -63,6 +64,8 @@ def _rope_kv_write_kernel(idx_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_
             v1 = round_to_e4m3(tl.clamp(v1.to(tl.float32) / vs, -448.0, 448.0))
             v2 = round_to_e4m3(tl.clamp(v2.to(tl.float32) / vs, -448.0, 448.0))
         cdt = cache_ptr.dtype.element_ty
+        if PDL == 2:  # late trigger (engine/kernels/pdl.py)
+            gdc_launch_dependents()
         tl.store(dst, k1.to(cdt), mask=kmask)
         tl.store(dst + HALF, k2.to(cdt), mask=kmask)
         tl.store(dst + stride_c_kv, v1.to(cdt), mask=kmask)
@@ -96,7 +99,7 @@ def rope_write_kv(token_index: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         return
     ks = k_scale if is_fp8 else cos
     vs = v_scale if is_fp8 else cos
-    pdl = pdl_supported(q.device)
+    pdl = pdl_mode(q.device)
     _rope_kv_write_kernel[(T,)](
         token_index, q, k, v, cos, sin, kv_cache, slot_mapping, ks, vs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import dot_precision, upcast_dots
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
 from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac
 from engine.kernels.slab_gemv import runs as slab_runs
@@ -82,7 +82,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                         HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                         EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                         PDL: tl.constexpr):
-    if PDL:
+    if PDL == 1:
         # let the next kernel (launched with PDL) start its own weight prefetch now
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -144,6 +144,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                 x = _load_x(x_rows, offs_k, m_mask, K, EVEN_K)
                 acc, acc_u, ssq2 = _mac(acc, acc_u, ssq2, w, wu, x, nw_ptr, offs_k, K,
                                         NORM, SILU, USE_DOT, EVEN_K, PREC, UPCAST)
+    if PDL == 2:  # late trigger (engine/kernels/pdl.py): every weight byte requested
+        gdc_launch_dependents()
     if USE_DOT:
         y = acc
         y_u = acc_u
@@ -254,8 +256,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          silu=silu, residual=residual, pdl=pdl)
     bm = cfg.block_m(M)
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
-    if pdl is None:
-        pdl = pdl_supported(x.device)
+    pdl = pdl_mode(x.device, pdl)
     launch = {"launch_pdl": True} if pdl else {}
     n_tiles = triton.cdiv(N, cfg.block_n)
     splits, k_per = cfg.k_split(K)
@@ -277,7 +278,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0,
         PREC=dot_precision(torch.float32 if upcast else weight.dtype), UPCAST=upcast,
-        PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     return out
 
 

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import num_sms
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_supported
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
 from engine.kernels.skinny_gemm_parts import _epilogue
 
 log = logging.getLogger("splitserve.engine.kernels")
@@ -98,7 +98,7 @@ def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up
                       rows_per_prog, eps, R: tl.constexpr, BLOCK_K: tl.constexpr,
                       NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
+    if PDL == 1:
         gdc_launch_dependents()
     r0 = tl.program_id(0) * rows_per_prog  # rows_per_prog: a multiple of R
     r_end = tl.minimum(N, r0 + rows_per_prog)
@@ -140,6 +140,8 @@ def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up
                   0, 0, eps, adt, False, SILU, RESID, HAS_BIAS)
         w = w_next
         wu = wu_next
+    if PDL == 2:  # late trigger (engine/kernels/pdl.py)
+        gdc_launch_dependents()
 
 
 def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_per_step: int,
@@ -155,11 +157,10 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
     NW, K = weight.shape
     N = NW // 2 if silu else NW
     R = rows_per_step
-    if pdl is None:
-        pdl = pdl_supported(x.device)
+    pdl = pdl_mode(x.device, pdl)
     consts = dict(R=R, BLOCK_K=triton.next_power_of_2(K), NORM=norm_weight is not None, SILU=silu,
                   RESID=residual is not None, HAS_BIAS=bias is not None,
-                  EVEN_K=triton.next_power_of_2(K) == K, PDL=bool(pdl))
+                  EVEN_K=triton.next_power_of_2(K) == K, PDL=pdl)
     key = (x.device.index, N, K, x.dtype, weight.dtype, out.dtype, num_warps, *consts.values())
     fit = _FIT.get(key)
     per_sm = programs_per_sm if fit is None else min(programs_per_sm, fit)
