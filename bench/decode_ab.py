@@ -15,7 +15,8 @@ table says).
 --tile-b: whole decode steps, the default 16-bit decode attention tile (A) vs each given tile.
 --attr-b: whole decode steps, a module-level switch at its current value (A) vs the given one
 (B), e.g. --attr-b "engine.kernels.rmsnorm.PDL=False"; SPECS separated by ';' are separate
-A/Bs, and one spec may set several attributes joined by '&'.
+A/Bs, and one spec may set several attributes joined by '&' (a candidate skinny table with
+other switches: engine.kernels.skinny_configs.CONFIG_DIR='DIR' holding skinny_gemm-<gpu>.json).
 --attn-cost: diagnostic, whole decode steps with attention (A) vs with the attention call
 skipped (B), i.e. what attention costs inside a step, for the cases of --cases.
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
@@ -247,8 +248,14 @@ def engine_attr_ab(shape: str, reps: int, spec: str, cases) -> list[dict]:
 
     def assign(pairs):
         def use(_eng=None):
+            import engine.kernels.skinny_configs as sc
+
             for mod, attr, value in pairs:
                 setattr(mod, attr, value)
+            # the tuned table is cached per process: a switch of skinny_configs.CONFIG_DIR
+            # (a directory holding a candidate skinny_gemm-<gpu>.json) takes effect now
+            sc.load_table.cache_clear()
+            sc.default_config.cache_clear()
         return use
 
     try:
