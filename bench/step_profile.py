@@ -4,7 +4,7 @@ launches per step, and the gap = step wall time - summed kernel time (launch lat
 dependency waits, host staging), which PDL and fewer kernels per layer attack.
 
     python -m bench.step_profile [--cases llama-3.2-1b:1:1024,llama-3.1-8b:64:2048:fused]
-                                 [--timeline] [--table CANDIDATE.json]
+                                 [--timeline] [--table CANDIDATE.json] [--attr MOD.NAME=VALUE[&...]]
 
 A case's optional 4th field `fused` runs the fused skinny matmuls for every batch up to 64
 rows (else the tuned table decides, as in serving).
@@ -13,7 +13,8 @@ position in a layer (qkv, attention split, reduce, o_proj, ...), the median over
 its duration (first program start to last program end; with PDL that includes time spent
 waiting for the previous kernel) and of what it adds to the step (its end minus the previous
 kernel's end): the in-step counterpart of an isolated timing, to compare a table's ops
-inside the step (--table runs the engine on a candidate skinny-GEMM table instead).
+inside the step (--table runs the engine on a candidate skinny-GEMM table instead; --attr
+sets module switches first, as bench.decode_ab --attr-b does for its B side).
 """
 from __future__ import annotations
 
@@ -158,7 +159,13 @@ def main() -> None:
     ap.add_argument("--cases", default="llama-3.2-1b:1:1024,llama-3.1-8b:1:1024,llama-3.1-8b:64:2048")
     ap.add_argument("--timeline", action="store_true", help="per-layer kernel pattern, in-step times")
     ap.add_argument("--table", default=None, help="a candidate skinny-GEMM table file to run with")
+    ap.add_argument("--attr", default=None, help="module switches, e.g. engine.kernels.rmsnorm.PDL=True")
     a = ap.parse_args()
+    if a.attr:
+        from bench.decode_ab import parse_attrs
+
+        for obj, name, value in parse_attrs(a.attr):
+            setattr(obj, name, value)
     logging.basicConfig(level=logging.WARNING)
     if a.table:
         import engine.kernels.skinny_configs as sc
@@ -175,7 +182,7 @@ def main() -> None:
         print_table(got, cols)
         rows += got
     print("wrote", write_result("step_profile", {"cases": a.cases, "dtype": "bf16", "timeline": a.timeline,
-                                                 "table": a.table}, {"rows": rows}))
+                                                 "table": a.table, "attr": a.attr}, {"rows": rows}))
 
 
 if __name__ == "__main__":
