@@ -3,10 +3,14 @@
 Numerics follow HF Llama: normalise in fp32, cast to the input dtype, then multiply by the
 weight (so results match engine.kernels.reference bit-for-bit up to reduction order).
 
-Launched with programmatic dependent launch where supported (engine/kernels/pdl.py), like the
-kernels around it in a decode step: without it this one launch would cut the step's PDL
-chain, so the next kernel (e.g. the gate_up GEMM, whose norm runs here at one row) could not
-request its first weights before the norm ends. PDL is a module switch for whole-step A/Bs.
+PDL (programmatic dependent launch, engine/kernels/pdl.py) is a module switch, OFF: every
+other kernel of a decode step launches with it, and this one then cuts the step's PDL chain
+once per layer (before the one-row 8B gate_up, whose norm runs here). Measured on the H200
+(2026-12-03, bench.decode_ab --attr-b): with it on, 8B batch-1 steps were 10% slower (4.24 ->
+4.69 ms at ctx 1024, decode_ab-20261203T124409; batch 64 +0.3%), and small decode attention
+tiles took most of that back (decode_ab-20261203T124439): the cut, not this kernel's launch
+latency, is what matters (our reading, not yet shown by a timeline: it bounds how far later
+kernels' programs run ahead of the one that is streaming).
 """
 from __future__ import annotations
 
