@@ -26,6 +26,10 @@ from engine.kernels.rotary import rotate_rows
 
 
 LOG2E = 1.4426950408889634
+# PDL for the split and the reduce kernel where supported (module switches for whole-step
+# A/Bs, bench.decode_ab --attr-b; False launches that kernel without it, a cut in the chain)
+PDL_SPLIT = True
+PDL_REDUCE = True
 
 
 @triton.jit
@@ -278,7 +282,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     ks = k_scale if is_fp8 else seq_lens
     vs = v_scale if is_fp8 else seq_lens
     pdl = pdl_mode(q.device)
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl_split = pdl if PDL_SPLIT else 0
+    pdl_reduce = pdl if PDL_REDUCE else 0
     _decode_split_kernel[(S, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
@@ -286,12 +291,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         *(rope if rope is not None else (q,) * 6 + (0,) * 5),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
-        UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl, ROPE=rope is not None,
-        num_warps=num_warps, num_stages=num_stages, **launch)
+        UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl_split else {}))
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=4, **launch)
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl_reduce, num_warps=4,
+            **({"launch_pdl": True} if pdl_reduce else {}))
     return out
 
 

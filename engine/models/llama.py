@@ -34,6 +34,11 @@ _FUSED = {
 }
 # tensors some checkpoints carry that the model does not need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Programmatic dependent launch per fused decode matmul ("qkv", "o_proj", "gate_up", "down"):
+# absent or None = where supported; False = launched without it, which also keeps the kernel
+# after it from launching before it ends (a cut in the step's PDL chain). A tuning switch for
+# whole-step A/Bs (bench.decode_ab --attr-b "engine.models.llama.SKINNY_PDL={'o_proj': False}").
+SKINNY_PDL: dict[str, bool | None] = {}
 
 
 class Attention(torch.nn.Module):
@@ -102,11 +107,14 @@ class DecoderLayer(torch.nn.Module):
 
         a, m = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = skinny_linear(res, a.qkv_proj.weight, a.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        pdl = SKINNY_PDL.get
+        qkv = skinny_linear(res, a.qkv_proj.weight, a.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps,
+                            pdl=pdl("qkv"))
         o = a.attend(rope, qkv, kv_cache, meta, kv_scales)
-        skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res)
-        act = skinny_linear(res, m.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
-        skinny_linear(act, m.down_proj.weight, residual=res, out=res)
+        skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"))
+        act = skinny_linear(res, m.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu=True,
+                            pdl=pdl("gate_up"))
+        skinny_linear(act, m.down_proj.weight, residual=res, out=res, pdl=pdl("down"))
 
 
 class CausalLM(torch.nn.Module):
