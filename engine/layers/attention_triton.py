@@ -19,9 +19,11 @@ class TritonAttentionBackend(AttentionBackend):
     # decode-only batches of at most this many sequences: rotary + KV append fused into the
     # decode attention kernel (one launch per layer fewer). H200, 2026-12-02 (A/B in
     # bench/engine_gpu.py): 1B shape -6% step time at batch 1, but +4-7% at batch 64 on both
-    # shapes (the fused kernel's extra registers cost occupancy where the KV read dominates).
+    # shapes with the attention tile of then (32-token tiles); with today's 128-token tile
+    # (2026-12-03, decode_ab-20261203T130640, 8B, medians of 5) it is -1.4% at batch 16,
+    # -0.4% at 64 (ctx 2048), -0.2% at 64 (ctx 1024), so every decode batch fuses it.
     fuse_decode_rope = True
-    fuse_decode_rope_max_seqs = 8
+    fuse_decode_rope_max_seqs = 1 << 16
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
