@@ -92,10 +92,12 @@ def test_flash_backend_clear_error_without_flash_attn():
         FlashAttentionBackend(4, 1, 64)
 
 
-@pytest.mark.parametrize("batch,expect_fused", [(4, True), (12, False)])
-def test_forward_rope_fused_decode_matches_separate_and_torch(batch, expect_fused, device, monkeypatch):
-    """Decode-only forward_rope: rotary + KV append inside the decode kernel (small batches)
-    == rope_write_kv + decode kernel == the torch backend (rotate, write, attend)."""
+@pytest.mark.parametrize("batch,max_seqs,expect_fused", [(4, None, True), (12, None, True), (12, 8, False)])
+def test_forward_rope_fused_decode_matches_separate_and_torch(batch, max_seqs, expect_fused, device,
+                                                              monkeypatch):
+    """Decode-only forward_rope: rotary + KV append inside the decode kernel (every batch by
+    default; none above fuse_decode_rope_max_seqs when that is set) == rope_write_kv + decode
+    kernel == the torch backend (rotate, write, attend)."""
     from engine.kernels import decode_attention as da
 
     hq, hkv, d, bs = 8, 2, 64, 16
@@ -114,6 +116,8 @@ def test_forward_rope_fused_decode_matches_separate_and_torch(batch, expect_fuse
     for fused in (True, False):
         be = TritonAttentionBackend(hq, hkv, d)
         be.fuse_decode_rope = fused
+        if max_seqs is not None:
+            be.fuse_decode_rope_max_seqs = max_seqs
         c = kv.clone()
         outs.append(be.forward_rope(0, q.clone(), k.clone(), v, rope, c, meta))
         caches.append(c)
