@@ -36,7 +36,10 @@ K/V tile loaded before the PDL wait, the new token's row patched in after it (8B
 -0.5% / +1.7% at ctx 1024 / 4096, batch 8 +4.3%, batch 64 +1.1%). And (-T082351, run with
 `bash bench/gpu_session.sh variants`) an L2 bulk prefetch window in the one-row skinny
 matmuls, issued by the matmul's own programs: 8B batch 1 o_proj / qkv within noise, gate_up
-and down +4-6% each, all four +8-9%.
+and down +4-6% each, all four +8-9%. Sixth session (--attr-b, 8B batch 1): the rmsnorm kernel
+on PDL +10% (-T124409), every kernel triggering its dependent late +6% (-T125629), cuts in the
+PDL chain before o_proj / the reduce / qkv +0.2-1.9% (-T132155); small attention tiles at batch
+1 -1.4..+4% (-T124610); rotary fused at 16-64 sequences -1.4..-0.2% (-T130640, shipped).
 """
 from __future__ import annotations
 
