@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: environment record and JSON result writing."""
+"""Shared benchmark helpers: environment record, JSON result writing, module switches."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -51,3 +51,35 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+
+
+def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
+    """'pkg.mod[.Class].NAME=VALUE&...' -> [(module or class, NAME, value)]; VALUE is a Python
+    literal. NAME must already exist (a typo is an error, not a silent new attribute)."""
+    import ast
+    import importlib
+
+    out = []
+    for part in spec.split("&"):
+        target, _, text = part.partition("=")
+        names = target.strip().split(".")
+        if len(names) < 2 or not text:
+            raise SystemExit(f"switch {part!r}: want module[.Class].NAME=VALUE")
+        obj, i = None, len(names) - 1
+        while i > 0 and obj is None:  # the longest importable module prefix
+            try:
+                obj = importlib.import_module(".".join(names[:i]))
+            except ImportError:
+                i -= 1
+        if obj is None:
+            raise SystemExit(f"switch {part!r}: no importable module in {target!r}")
+        for name in names[i:-1]:
+            obj = getattr(obj, name, None)
+        if obj is None or not hasattr(obj, names[-1]):
+            raise SystemExit(f"switch {part!r}: {target!r} does not exist")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"switch {part!r}: {text!r} is not a Python literal") from None
+        out.append((obj, names[-1], value))
+    return out

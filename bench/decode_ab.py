@@ -51,7 +51,7 @@ import statistics
 import torch
 
 import engine.kernels.decode_attention as da
-from bench.common import print_table, write_result
+from bench.common import parse_attrs, print_table, write_result
 from bench.engine_gpu_steps import copy_bandwidth_gbs, make_engine, time_decode
 from bench.timing import graph_time_ms
 
@@ -210,38 +210,6 @@ def engine_table_ab(shape: str, reps: int, candidate: str, cases) -> list[dict]:
                    table(lambda _name: candidate), reps)
     finally:
         table(shipped)()
-
-
-def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
-    """'pkg.mod[.Class].NAME=VALUE&...' -> [(module or class, NAME, value)]; VALUE is a Python
-    literal. NAME must already exist (a typo is an error, not a silent new attribute)."""
-    import ast
-    import importlib
-
-    out = []
-    for part in spec.split("&"):
-        target, _, text = part.partition("=")
-        names = target.strip().split(".")
-        if len(names) < 2 or not text:
-            raise SystemExit(f"--attr-b {part!r}: want module[.Class].NAME=VALUE")
-        obj, i = None, len(names) - 1
-        while i > 0 and obj is None:  # the longest importable module prefix
-            try:
-                obj = importlib.import_module(".".join(names[:i]))
-            except ImportError:
-                i -= 1
-        if obj is None:
-            raise SystemExit(f"--attr-b {part!r}: no importable module in {target!r}")
-        for name in names[i:-1]:
-            obj = getattr(obj, name, None)
-        if obj is None or not hasattr(obj, names[-1]):
-            raise SystemExit(f"--attr-b {part!r}: {target!r} does not exist")
-        try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--attr-b {part!r}: {text!r} is not a Python literal") from None
-        out.append((obj, names[-1], value))
-    return out
 
 
 def engine_attr_ab(shape: str, reps: int, spec: str, cases) -> list[dict]:

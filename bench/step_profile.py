@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import parse_attrs, print_table, write_result
 from bench.engine_gpu_steps import decode_inputs, make_engine
 from bench.timing import cuda_time_ms
 from engine.runner import StepInput
@@ -162,8 +162,6 @@ def main() -> None:
     ap.add_argument("--attr", default=None, help="module switches, e.g. engine.kernels.rmsnorm.PDL=True")
     a = ap.parse_args()
     if a.attr:
-        from bench.decode_ab import parse_attrs
-
         for obj, name, value in parse_attrs(a.attr):
             setattr(obj, name, value)
     logging.basicConfig(level=logging.WARNING)

@@ -1,7 +1,8 @@
-"""bench.decode_ab's --attr-b parsing (the A/B itself needs a GPU)."""
+"""bench.common.parse_attrs: the module switches of decode_ab --attr-b and step_profile --attr
+(the A/Bs themselves need a GPU)."""
 import pytest
 
-from bench.decode_ab import parse_attrs
+from bench.common import parse_attrs
 
 
 def test_parse_attrs_resolves_modules_and_classes():
