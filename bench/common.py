@@ -1,6 +1,7 @@
 """Shared benchmark helpers: environment record, JSON result writing, module switches."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -55,7 +56,7 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
 
 def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
     """'pkg.mod[.Class].NAME=VALUE&...' -> [(module or class, NAME, value)]; VALUE is a Python
-    literal. NAME must already exist (a typo is an error, not a silent new attribute)."""
+    literal, and a dict for a dataclass attribute replaces those fields of its current value. NAME must already exist (a typo is an error, not a silent new attribute)."""
     import ast
     import importlib
 
@@ -81,5 +82,12 @@ def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError):
             raise SystemExit(f"switch {part!r}: {text!r} is not a Python literal") from None
+        current = getattr(obj, names[-1])
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            # a frozen config (e.g. decode_attention.TILE_16BIT): the given fields replaced
+            try:
+                value = dataclasses.replace(current, **value)
+            except TypeError as e:
+                raise SystemExit(f"switch {part!r}: {e}") from None
         out.append((obj, names[-1], value))
     return out

@@ -16,7 +16,9 @@ table says).
 --attr-b: whole decode steps, a module-level switch at its current value (A) vs the given one
 (B), e.g. --attr-b "engine.kernels.rmsnorm.PDL=False"; SPECS separated by ';' are separate
 A/Bs, and one spec may set several attributes joined by '&' (a candidate skinny table with
-other switches: engine.kernels.skinny_configs.CONFIG_DIR='DIR' holding skinny_gemm-<gpu>.json).
+other switches: engine.kernels.skinny_configs.CONFIG_DIR='DIR' holding skinny_gemm-<gpu>.json;
+a dataclass attribute takes a dict of the fields to change, e.g.
+engine.kernels.decode_attention.TILE_16BIT={'block_n': 32, 'num_warps': 4}).
 --attn-cost: diagnostic, whole decode steps with attention (A) vs with the attention call
 skipped (B), i.e. what attention costs inside a step, for the cases of --cases.
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate

@@ -14,6 +14,18 @@ def test_parse_attrs_resolves_modules_and_classes():
     assert got == [(rn, "PDL", False), (T, "fuse_decode_rope_max_seqs", 64)]
 
 
+def test_parse_attrs_replaces_dataclass_fields():
+    from engine.kernels import decode_attention as da
+
+    [(obj, name, tile)] = parse_attrs("engine.kernels.decode_attention.TILE_16BIT="
+                                      "{'block_n': 32, 'num_warps': 4, 'programs_per_sm': 4}")
+    assert (obj, name) == (da, "TILE_16BIT")
+    assert (tile.block_n, tile.num_warps, tile.programs_per_sm) == (32, 4, 4)
+    assert tile.num_stages == da.TILE_16BIT.num_stages  # the other fields kept
+    with pytest.raises(SystemExit):
+        parse_attrs("engine.kernels.decode_attention.TILE_16BIT={'no_such_field': 1}")
+
+
 @pytest.mark.parametrize("spec", ["engine.kernels.rmsnorm.PDX=1",  # typo: no such attribute
                                   "engine.kernels.rmsnorm.PDL=maybe",  # not a literal
                                   "engine.kernels.rmsnorm.PDL",  # no value
