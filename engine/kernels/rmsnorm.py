@@ -8,9 +8,11 @@ other kernel of a decode step launches with it, and this one then cuts the step'
 once per layer (before the one-row 8B gate_up, whose norm runs here). Measured on the H200
 (2026-12-03, bench.decode_ab --attr-b): with it on, 8B batch-1 steps were 10% slower (4.24 ->
 4.69 ms at ctx 1024, decode_ab-20261203T124409; batch 64 +0.3%), and small decode attention
-tiles took most of that back (decode_ab-20261203T124439): the cut, not this kernel's launch
-latency, is what matters (our reading, not yet shown by a timeline: it bounds how far later
-kernels' programs run ahead of the one that is streaming).
+tiles took most of that back (decode_ab-20261203T124439). Its per-kernel timeline
+(step_profile-20261203T130604) puts the loss in the streaming matmuls around the cut: gate_up
++7.2 us, down +4.7, o_proj +2.3 per layer. So the cut, not this kernel's launch latency, is
+what matters; why (our reading: it bounds how far later kernels' programs run ahead of the one
+that is streaming) is not shown yet.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import triton.language as tl
 
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
 
-PDL = False  # launch with PDL where pdl_supported (a switch for bench.decode_ab --attr-b)
+PDL = False  # True: launch with PDL where supported (off: see above; bench.decode_ab --attr-b)
 
 
 @triton.jit
