@@ -30,6 +30,11 @@ LOG2E = 1.4426950408889634
 # A/Bs, bench.decode_ab --attr-b; False launches that kernel without it, a cut in the chain)
 PDL_SPLIT = True
 PDL_REDUCE = True
+# With the fused rotary (new_kv): the split's first K/V tile loaded before the PDL wait, the new
+# token's row patched in from registers. Off: an earlier form gave no whole-step gain (H200,
+# decode_ab-20261203T074351: 8B batch 1 -0.5% / +1.7%), when no attention program could be
+# resident beside the qkv matmul before it ended; kept as a switch for that A/B.
+EARLY_KV = False
 
 
 @triton.jit
@@ -44,6 +49,33 @@ def _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_
     return k, v
 
 
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """Online-softmax update with one [BLOCK_N, D_PAD] K/V tile (positions past the split
+    masked by n_mask); q [G_PAD, D_PAD] in the dot dtype."""
+    cdt = q.dtype
+    qk = tl.dot(q, tl.trans(k.to(cdt)), input_precision=PREC) * qk_scale  # [G_PAD, BLOCK_N]
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v.to(cdt), input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _new_kv_row(kn_ptr, vn_ptr, s, kvh, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, c, sn,
+                cdt: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+    """The new token's rotated k and its v for KV head kvh, [1, D] each, in the cache dtype."""
+    one = tl.arange(0, 1)
+    krow = kn_ptr + s.to(tl.int64) * stride_kt + kvh * stride_kh + one[:, None] * 0
+    kr = rotate_rows(krow, offs_d, c, sn, one[:, None] >= 0, D, HALF)
+    kr = kr.to(kn_ptr.dtype.element_ty)  # rounds like the unfused rotary's output
+    vv = tl.load(vn_ptr + s.to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :] + one[:, None] * 0)
+    return kr.to(cdt), vv.to(cdt)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                          out_ptr, part_o_ptr, part_lse_ptr, sm_scale, num_splits,
@@ -54,7 +86,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
+                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
+                         EARLY_KV: tl.constexpr):
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
@@ -62,7 +95,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         # waits for this grid's completion before reading the attention output.
         if PDL == 1:
             gdc_launch_dependents()
-        gdc_wait()
+        if not EARLY_KV:
+            gdc_wait()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -79,6 +113,19 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     heads = kvh * G + offs_g
     g_mask = offs_g < G
     d_mask = offs_d < D
+    k_base = cache_ptr + kvh * stride_c_h
+    v_base = k_base + stride_c_kv
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    if EARLY_KV:
+        # (ROPE only) the split's first K/V tile is requested before the grid-dependency
+        # wait, so its DRAM round trip overlaps the previous kernel: seq_lens and the block
+        # table are staged before the step's first PDL kernel and the cached context was
+        # written by earlier steps; only the new token's row is written after this load (by
+        # this kernel, below), so it is patched in from registers.
+        offs_n0 = start + tl.arange(0, BLOCK_N)
+        k0, v0 = _load_kv_tile(k_base, v_base, bt_row, offs_n0, end, offs_d, d_mask, stride_c_slot, BS)
+        if PDL:
+            gdc_wait()
     if ROPE:
         # fused rotary + KV append (16-bit caches, D == D_PAD): q and the new token's k are
         # rotated here from the un-rotated qkv; the split holding the new position writes
@@ -92,16 +139,15 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         slot = tl.load(slot_ptr + s).to(tl.int64)
         last = seq_len - 1
         if (start <= last) & (last < end) & (slot >= 0):
-            one = tl.arange(0, 1)
-            krow = kn_ptr + s.to(tl.int64) * stride_kt + kvh * stride_kh + one[:, None] * 0
-            kr = rotate_rows(krow, offs_d, c, sn, one[:, None] >= 0, D, HALF)
-            kr = kr.to(kn_ptr.dtype.element_ty)  # rounds like the unfused rotary's output
-            vv = tl.load(vn_ptr + s.to(tl.int64) * stride_vt + kvh * stride_vh + offs_d[None, :]
-                         + one[:, None] * 0)
-            dst = cache_ptr + slot * stride_c_slot + kvh * stride_c_h + offs_d[None, :] + one[:, None] * 0
-            cdt_c = cache_ptr.dtype.element_ty
-            tl.store(dst, kr.to(cdt_c))
-            tl.store(dst + stride_c_kv, vv.to(cdt_c))
+            new_k, new_v = _new_kv_row(kn_ptr, vn_ptr, s, kvh, stride_kt, stride_kh, stride_vt,
+                                       stride_vh, offs_d, c, sn, cache_ptr.dtype.element_ty, D, HALF)
+            dst = cache_ptr + slot * stride_c_slot + kvh * stride_c_h + offs_d[None, :]
+            tl.store(dst, new_k)
+            tl.store(dst + stride_c_kv, new_v)
+            if EARLY_KV:
+                patch = (offs_n0 == last)[:, None]
+                k0 = tl.where(patch, new_k, k0)
+                v0 = tl.where(patch, new_v, v0)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -111,7 +157,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         q = q.to(tl.float16)
     elif UPCAST:
         q = q.to(tl.float32)
-    cdt = q.dtype
     qk_scale = sm_scale * 1.4426950408889634
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -119,14 +164,16 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    k_base = cache_ptr + kvh * stride_c_h
-    v_base = k_base + stride_c_kv
-    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    loop_start = start
+    if EARLY_KV:
+        if start < end:
+            m_i, l_i, acc = _attend_tile(q, k0, v0, offs_n0 < end, m_i, l_i, acc, qk_scale, PREC)
+        loop_start = start + BLOCK_N
     if PREFETCH:
         # manual register double buffering: tile i+1's loads are issued before tile i's math
-        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_n = loop_start + tl.arange(0, BLOCK_N)
         k, v = _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(loop_start, end, BLOCK_N):
         if PREFETCH:
             offs_nx = offs_n + BLOCK_N
             k_nx, v_nx = _load_kv_tile(k_base, v_base, bt_row, offs_nx, end, offs_d, d_mask,
@@ -134,15 +181,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         else:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             k, v = _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS)
-        n_mask = offs_n < end
-        qk = tl.dot(q, tl.trans(k.to(cdt)), input_precision=PREC) * qk_scale  # [G_PAD, BLOCK_N]
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v.to(cdt), input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale, PREC)
         if PREFETCH:
             k = k_nx
             v = v_nx
@@ -292,6 +331,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
+        EARLY_KV=EARLY_KV and rope is not None,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl_split else {}))
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
