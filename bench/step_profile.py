@@ -15,6 +15,9 @@ waiting for the previous kernel) and of what it adds to the step (its end minus 
 kernel's end): the in-step counterpart of an isolated timing, to compare a table's ops
 inside the step (--table runs the engine on a candidate skinny-GEMM table instead; --attr
 sets module switches first, as bench.decode_ab --attr-b does for its B side).
+Last, the registers / spills / shared memory of every kernel variant the cases compiled, as
+this GPU's Triton reports them, and how many programs of each fit on one SM
+(bench/kernel_resources.py).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import torch
 
 from bench.common import parse_attrs, print_table, write_result
 from bench.engine_gpu_steps import decode_inputs, make_engine
+from bench.kernel_resources import COLUMNS as RES_COLUMNS
+from bench.kernel_resources import compiled_rows
 from bench.timing import cuda_time_ms
 from engine.runner import StepInput
 
@@ -179,8 +184,11 @@ def main() -> None:
                 else ["case", "kernel", "kind", "us_per_step", "launches_per_step"])
         print_table(got, cols)
         rows += got
+    res = compiled_rows()  # registers / shared memory of what the cases compiled, per variant
+    if res:
+        print_table(res, RES_COLUMNS)
     print("wrote", write_result("step_profile", {"cases": a.cases, "dtype": "bf16", "timeline": a.timeline,
-                                                 "table": a.table, "attr": a.attr}, {"rows": rows}))
+                                                 "table": a.table, "attr": a.attr}, {"rows": rows, "kernel_resources": res}))
 
 
 if __name__ == "__main__":
