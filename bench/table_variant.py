@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import fields, replace
 
 from engine.kernels.skinny_configs import SkinnyConfig, table_path
@@ -77,6 +78,7 @@ def main() -> None:
     for spec in a.sets:
         apply(doc, spec)
     doc["note"] = f"variant of the shipped table: {'; '.join(a.sets)}"
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)  # e.g. a CONFIG_DIR
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print("wrote", a.out, "|", doc["note"])
