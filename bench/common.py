@@ -55,8 +55,9 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
 
 
 def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
-    """'pkg.mod[.Class].NAME=VALUE&...' -> [(module or class, NAME, value)]; VALUE is a Python
-    literal, and a dict for a dataclass attribute replaces those fields of its current value. NAME must already exist (a typo is an error, not a silent new attribute)."""
+    """'pkg.mod[.Class].NAME=VALUE&...' -> [(module or class, NAME, value)]. VALUE is a Python
+    literal; a dict for a dataclass attribute replaces those fields of its current value. NAME
+    must already exist (a typo is an error, not a silent new attribute)."""
     import ast
     import importlib
 

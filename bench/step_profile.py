@@ -167,8 +167,12 @@ def main() -> None:
     ap.add_argument("--attr", default=None, help="module switches, e.g. engine.kernels.rmsnorm.PDL=True")
     a = ap.parse_args()
     if a.attr:
+        import engine.kernels.skinny_configs as sc
+
         for obj, name, value in parse_attrs(a.attr):
             setattr(obj, name, value)
+        sc.load_table.cache_clear()  # in case a switch was skinny_configs.CONFIG_DIR
+        sc.default_config.cache_clear()
     logging.basicConfig(level=logging.WARNING)
     if a.table:
         import engine.kernels.skinny_configs as sc
