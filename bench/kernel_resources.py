@@ -1,11 +1,12 @@
 """Registers, spills and shared memory of the Triton kernels this process compiled, as the GPU's
 own Triton release reports them, with how many programs of each fit on one SM.
 
-A CPU sm_90 compile with another Triton release can be far off: on 2026-12-03 Triton 3.9 on CPU
-put the decode split kernel (128-token tile, 8 warps) at 255 registers with spills, while the
-H200's Triton 3.6 compiled it to 91 registers without any. Occupancy reasoning about a step (which
-programs can be resident beside which) needs the device's numbers: bench.step_profile prints
-this table after each case.
+A CPU sm_90 compile (triton.compile on an ASTSource, then ptxas -v) is only as good as the
+argument specialization it is given: on 2026-12-03 one stride of the decode split kernel
+(128-token tile, 8 warps) compiled without the 16-divisibility hint put it at 255 registers with
+spills, while the H200 compiled it to 91 without any (Triton 3.6 on CPU with every stride hinted:
+92). Occupancy reasoning about a step (which programs can be resident beside which) should use
+the device's numbers: bench.step_profile prints this table after each case.
 """
 from __future__ import annotations
 
