@@ -30,7 +30,7 @@ for s in $steps; do
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     engine)
-      timeout 150 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
+      timeout 260 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
     sweep)
       timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
     candidate)  # sweep into a candidate table, then check it against the shipped one in whole steps

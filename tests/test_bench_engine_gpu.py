@@ -1,0 +1,21 @@
+"""bench.engine_gpu's median over graph re-captures, on a stand-in engine (timing needs a GPU)."""
+from types import SimpleNamespace
+
+import bench.engine_gpu as eg
+
+
+def test_recaptured_takes_the_median_over_captures(monkeypatch):
+    captures = []
+    runner = SimpleNamespace(graphs=object(), model=SimpleNamespace(attn_backend=SimpleNamespace(name="triton")),
+                             maybe_capture_graphs=lambda max_len, backend: captures.append((max_len, backend)))
+    eng = SimpleNamespace(runner=runner)
+    times = iter([4.3, 9.9, 4.0, 9.5])  # (1, 1024), (64, 2048) after capture 1, then after capture 2
+    monkeypatch.setattr(eg, "time_decode", lambda e, b, c, eager=True: {"graph_ms": next(times)})
+    rows = [{"shape": "s", "case": "decode b=1 ctx=1024", "graph_ms": 4.1},
+            {"shape": "s", "case": "decode b=64 ctx=2048", "graph_ms": 9.7}]
+    out = eg._recaptured(eng, "s", [(1, 1024), (64, 2048)], rows, 2, 2048)
+    assert captures == [(2112, "triton")] * 2
+    assert [(r["case"], r["graph_ms"], r["samples"]) for r in out] == [
+        ("decode b=1 ctx=1024 median of 3 captures", 4.1, [4.1, 4.3, 4.0]),
+        ("decode b=64 ctx=2048 median of 3 captures", 9.7, [9.7, 9.9, 9.5])]
+    assert eg._recaptured(eng, "s", [(1, 1024)], rows, 0, 2048) == []  # --recaptures 0
