@@ -30,7 +30,7 @@ import triton.language as tl
 
 from bench.common import print_table, write_result
 from bench.timing import graph_time_ms, l2_defeating_copies
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
 CHUNK = 8192  # bf16 elements per program per loop step (16 KB)
 
@@ -146,7 +146,7 @@ def gemv_rows(sizes: list[tuple]) -> list[dict]:
 
 def empty_chain_us(grid: int, pdl: bool, chain: int) -> float:
     out = torch.zeros(1, device="cuda")
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = pdl_launch(pdl)
 
     def one():
         _empty_kernel[(grid,)](out, PDL=pdl, num_warps=4, **launch)
@@ -164,7 +164,7 @@ def read_chain_us(size_mb: float, mode: str, chain: int, sms: int) -> tuple[floa
     xs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     out = torch.empty(progs, device="cuda")
     pdl = mode != "plain"
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = pdl_launch(pdl)
     fns = [lambda x=x: _read_kernel[(progs,)](x, out, per, PDL=pdl, WAIT_LAST=mode == "wait_last",
                                               BLOCK=CHUNK, num_warps=8, **launch)
            for x in xs]

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.rotary import rotate_rows
 
 
@@ -332,12 +332,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
         EARLY_KV=EARLY_KV and rope is not None,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl_split else {}))
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl_split))
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl_reduce, num_warps=4,
-            **({"launch_pdl": True} if pdl_reduce else {}))
+            **pdl_launch(pdl_reduce))
     return out
 
 

@@ -51,3 +51,8 @@ def pdl_mode(device: torch.device, pdl: bool | None = None) -> int:
     if pdl is None:
         pdl = pdl_supported(device)
     return (2 if LATE_TRIGGER else 1) if pdl else 0
+
+
+def pdl_launch(pdl) -> dict:
+    """The launch keyword arguments for a kernel launched with PDL (mode or flag) or without."""
+    return {"launch_pdl": True} if pdl else {}

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 
 PDL = False  # True: launch with PDL where supported (off: see above; bench.decode_ab --attr-b)
 
@@ -74,7 +74,7 @@ def _launch(x2, r2, weight, out, res_out, eps, N):
                           x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0),
                           (res_out if res_out is not None else out).stride(0),
                           N=N, BLOCK=BLOCK, HAS_RES=r2 is not None, PDL=pdl, num_warps=nw,
-                          **({"launch_pdl": True} if pdl else {}))
+                          **pdl_launch(pdl))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

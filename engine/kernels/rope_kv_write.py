@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.kv_write import round_to_e4m3
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.rotary import rot_halves
 
 
@@ -106,4 +106,4 @@ def rope_write_kv(token_index: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         HQ=HQ, HK=HK, HALF=half, BLOCK_HQ=triton.next_power_of_2(HQ),
         BLOCK_HK=triton.next_power_of_2(HK), BLOCK_R=triton.next_power_of_2(half),
-        IS_FP8=is_fp8, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        IS_FP8=is_fp8, PDL=pdl, num_warps=4, **pdl_launch(pdl))

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import dot_precision, upcast_dots
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
 from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac
 from engine.kernels.slab_gemv import runs as slab_runs
@@ -257,7 +257,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bm = cfg.block_m(M)
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
     pdl = pdl_mode(x.device, pdl)
-    launch = {"launch_pdl": True} if pdl else {}
     n_tiles = triton.cdiv(N, cfg.block_n)
     splits, k_per = cfg.k_split(K)
     if splits > 1:
@@ -278,7 +277,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0,
         PREC=dot_precision(torch.float32 if upcast else weight.dtype), UPCAST=upcast,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl))
     return out
 
 

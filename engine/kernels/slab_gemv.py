@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import num_sms
-from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_mode
+from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.skinny_gemm_parts import _epilogue
 
 log = logging.getLogger("splitserve.engine.kernels")
@@ -166,11 +166,10 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
     per_sm = programs_per_sm if fit is None else min(programs_per_sm, fit)
     programs = max(1, min(triton.cdiv(N, R), per_sm * num_sms(x.device)))
     per = triton.cdiv(triton.cdiv(N, programs), R) * R
-    launch = {"launch_pdl": True} if pdl else {}
     compiled = _slab_gemv_kernel[(triton.cdiv(N, per),)](
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,
-        N, K, N, per, float(eps), num_warps=num_warps, num_stages=1, **consts, **launch)
+        N, K, N, per, float(eps), num_warps=num_warps, num_stages=1, **consts, **pdl_launch(pdl))
     if fit is None and x.is_cuda:
         fit = _fit_of(compiled, num_warps, x.device)
         if fit is not None:
