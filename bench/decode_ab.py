@@ -203,8 +203,7 @@ def engine_table_ab(shape: str, reps: int, candidate: str, cases) -> list[dict]:
     def table(path_fn):
         def use(_eng=None):
             sc.table_path = path_fn
-            sc.load_table.cache_clear()
-            sc.default_config.cache_clear()
+            sc.forget_cached()
         return use
 
     try:
@@ -225,10 +224,9 @@ def engine_attr_ab(shape: str, reps: int, spec: str, cases) -> list[dict]:
 
             for mod, attr, value in pairs:
                 setattr(mod, attr, value)
-            # the tuned table is cached per process: a switch of skinny_configs.CONFIG_DIR
-            # (a directory holding a candidate skinny_gemm-<gpu>.json) takes effect now
-            sc.load_table.cache_clear()
-            sc.default_config.cache_clear()
+            # a switch of skinny_configs.CONFIG_DIR (a directory holding a candidate
+            # skinny_gemm-<gpu>.json) takes effect now
+            sc.forget_cached()
         return use
 
     try:

@@ -166,20 +166,14 @@ def main() -> None:
     ap.add_argument("--table", default=None, help="a candidate skinny-GEMM table file to run with")
     ap.add_argument("--attr", default=None, help="module switches, e.g. engine.kernels.rmsnorm.PDL=True")
     a = ap.parse_args()
-    if a.attr:
-        import engine.kernels.skinny_configs as sc
-
-        for obj, name, value in parse_attrs(a.attr):
-            setattr(obj, name, value)
-        sc.load_table.cache_clear()  # in case a switch was skinny_configs.CONFIG_DIR
-        sc.default_config.cache_clear()
     logging.basicConfig(level=logging.WARNING)
-    if a.table:
-        import engine.kernels.skinny_configs as sc
+    import engine.kernels.skinny_configs as sc
 
+    for obj, name, value in parse_attrs(a.attr) if a.attr else []:
+        setattr(obj, name, value)
+    if a.table:
         sc.table_path = lambda _name: a.table
-        sc.load_table.cache_clear()
-        sc.default_config.cache_clear()
+    sc.forget_cached()  # a candidate table (--table, or a CONFIG_DIR switch) takes effect
     rows = []
     for spec in a.cases.split(","):
         shape, b, c, *flag = spec.split(":")

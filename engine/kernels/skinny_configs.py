@@ -184,6 +184,13 @@ def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = Fa
     return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=8, num_stages=1, use_dot=False)
 
 
+def forget_cached() -> None:
+    """Drop the cached table and per-shape configs, so a changed CONFIG_DIR / table_path (a
+    benchmark's candidate table) takes effect at the next lookup."""
+    load_table.cache_clear()
+    default_config.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)

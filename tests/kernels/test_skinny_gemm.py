@@ -261,3 +261,28 @@ def test_one_chunk_programs(cfg, m, n, k, device):
     skinny_linear(x, wn, residual=r, out=r, config=cfg)
     assert rel_err(r, skinny_linear_ref(x, wn, residual=res)) < TOL[dtype]
 
+
+
+def test_forget_cached_picks_up_a_new_config_dir(tmp_path, monkeypatch):
+    """A benchmark switching CONFIG_DIR to a candidate table sees it after forget_cached
+    (the table is cached per process until then)."""
+    import json
+
+    from engine.kernels import skinny_configs as sc
+
+    doc = {"device": "Fake GPU", "max_m": 1, "entries": [
+        {"n": 64, "k": 32, "silu": False, "m": 1, "cfg": [4, 32, 8, 1, False]}]}
+    for name, bn in (("a", 4), ("b", 8)):
+        (tmp_path / name).mkdir()
+        doc["entries"][0]["cfg"][0] = bn
+        (tmp_path / name / "skinny_gemm-Fake_GPU.json").write_text(json.dumps(doc))
+    try:
+        monkeypatch.setattr(sc, "CONFIG_DIR", str(tmp_path / "a"))
+        sc.forget_cached()
+        assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 4
+        monkeypatch.setattr(sc, "CONFIG_DIR", str(tmp_path / "b"))
+        assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 4  # still the cached table
+        sc.forget_cached()
+        assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 8
+    finally:
+        sc.forget_cached()
