@@ -170,7 +170,7 @@ def engine_attn_cost_ab(shape: str, reps: int, cases) -> list[dict]:
     from engine.layers.attention_triton import TritonAttentionBackend as T
     orig = T.forward_rope
 
-    def skip(self, layer, q, k, v, rope, kv_cache, meta, kv_scales=None, l2_prefetch=None):
+    def skip(self, layer, q, k, v, rope, kv_cache, meta, kv_scales=None):
         return q
 
     def use(fn):

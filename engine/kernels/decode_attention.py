@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
-from engine.kernels.l2_prefetch import prefetch_l2, prefetch_view
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.rotary import rotate_rows
 
@@ -36,12 +35,6 @@ PDL_REDUCE = True
 # decode_ab-20261203T074351: 8B batch 1 -0.5% / +1.7%), when no attention program could be
 # resident beside the qkv matmul before it ended; kept as a switch for that A/B.
 EARLY_KV = False
-# The next kernel's weight (o_proj, given by the model as `l2_prefetch`) requested into L2 by
-# the split kernel's programs, before their PDL wait, at up to this many sequences (where the
-# attention reads a few MB of KV and leaves DRAM idle; engine/kernels/l2_prefetch.py), at most
-# L2_PREFETCH_MAX_BYTES of it (H200 L2: 50 MB). 0: off.
-L2_PREFETCH_MAX_SEQS = 0
-L2_PREFETCH_MAX_BYTES = 40 << 20
 
 
 @triton.jit
@@ -90,25 +83,20 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          stride_ot, stride_oh,
                          kn_ptr, vn_ptr, cos_ptr, sin_ptr, idx_ptr, slot_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                         pf_ptr, pf_bytes,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                          PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
-                         EARLY_KV: tl.constexpr, L2_PF: tl.constexpr):
-    # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
-    # write) ends, so its launch latency is hidden; nothing is read before the wait.
-    # The next kernel (o_proj or the reduce pass, launched with PDL) may start now; it
-    # waits for this grid's completion before reading the attention output.
-    if PDL == 1:
-        gdc_launch_dependents()
-    if L2_PF:
-        # the next kernel's weight into L2 (constant data: safe before the PDL wait)
-        nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        lin = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        prefetch_l2(pf_ptr, pf_bytes, lin, nprog, L2_PF)
-    if PDL and not EARLY_KV:
-        gdc_wait()
+                         EARLY_KV: tl.constexpr):
+    if PDL:
+        # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
+        # write) ends, so its launch latency is hidden; nothing is read before the wait.
+        # The next kernel (o_proj or the reduce pass, launched with PDL) may start now; it
+        # waits for this grid's completion before reading the attention output.
+        if PDL == 1:
+            gdc_launch_dependents()
+        if not EARLY_KV:
+            gdc_wait()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -291,17 +279,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: bool | None = None, new_kv: tuple | None = None,
-                           l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           prefetch: bool | None = None, new_kv: tuple | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`).
     new_kv = (k, v, cos, sin, token_index, slot_mapping): fused rotary + KV append: q and k
     are the UN-rotated projections (k, v: [num_seqs, Hkv, D]; cos/sin rows token_index[i];
     slot -1 writes nothing); the kernel rotates q, writes rotated k and v to the cache at
     slot_mapping[i] and attends, replacing engine.kernels.rope_kv_write + this kernel
-    (16-bit caches, power-of-two head_dim, full rotary). q is not modified.
-    l2_prefetch: a contiguous tensor the next kernel reads (the o_proj weight), requested into
-    L2 by this kernel at up to L2_PREFETCH_MAX_SEQS sequences (on CUDA only)."""
+    (16-bit caches, power-of-two head_dim, full rotary). q is not modified."""
     S, Hq, D = q.shape
     _, _, BS, Hkv, Dc = kv_cache.shape
     if Dc != D or Hq % Hkv:
@@ -338,16 +323,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     pdl = pdl_mode(q.device)
     pdl_split = pdl if PDL_SPLIT else 0
     pdl_reduce = pdl if PDL_REDUCE else 0
-    pf, pf_bytes = prefetch_view(l2_prefetch if S <= L2_PREFETCH_MAX_SEQS else None, L2_PREFETCH_MAX_BYTES)
     _decode_split_kernel[(S, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        *(rope if rope is not None else (q,) * 6 + (0,) * 5), q if pf is None else pf, pf_bytes,
+        *(rope if rope is not None else (q,) * 6 + (0,) * 5),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
-        EARLY_KV=EARLY_KV and rope is not None, L2_PF=32 * num_warps if pf_bytes else 0,
+        EARLY_KV=EARLY_KV and rope is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl_split))
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](

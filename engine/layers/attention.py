@@ -90,12 +90,9 @@ class AttentionBackend:
 
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
                      kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     kv_scales: KVScales | None = None,
-                     l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_scales: KVScales | None = None) -> torch.Tensor:
         """forward() on un-rotated q / k: rope = (cos, sin, token_index) of this batch.
-        Backends may fuse the rotation into their KV write (Triton does). l2_prefetch: the
-        weight the model reads next (o_proj), a hint a backend may request into L2 while it
-        attends (Triton's decode kernel does, engine/kernels/l2_prefetch.py); others ignore it."""
+        Backends may fuse the rotation into their KV write (Triton does)."""
         from engine.layers.rotary import rotate_qk
 
         q, k = rotate_qk(q, k, *rope)

@@ -33,7 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
         write_kv(k, v, kv_cache, meta.slot_mapping, ks, vs)
         return self._attend(q, kv_cache, meta, ks, vs)
 
-    def forward_rope(self, layer, q, k, v, rope, kv_cache, meta, kv_scales=None, l2_prefetch=None):
+    def forward_rope(self, layer, q, k, v, rope, kv_cache, meta, kv_scales=None):
         cos, sin, idx = rope
         fp8_uncalibrated = (kv_cache.dtype == torch.float8_e4m3fn and kv_scales is not None
                             and not kv_scales.calibrated[layer])
@@ -47,11 +47,10 @@ class TritonAttentionBackend(AttentionBackend):
                 and kv_cache.dtype != torch.float8_e4m3fn and self.head_dim & (self.head_dim - 1) == 0):
             # decode: rotary + KV append inside the attention kernel (one launch per layer)
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                          new_kv=(k, v, cos, sin, idx, meta.slot_mapping),
-                                          l2_prefetch=l2_prefetch)
+                                          new_kv=(k, v, cos, sin, idx, meta.slot_mapping))
         ks, vs = self._scales(layer, k, v, kv_cache, kv_scales)
         rope_write_kv(idx, q, k, v, cos, sin, kv_cache, meta.slot_mapping, ks, vs)
-        return self._attend(q, kv_cache, meta, ks, vs, l2_prefetch)
+        return self._attend(q, kv_cache, meta, ks, vs)
 
     def _check_q(self, q):
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]
@@ -69,9 +68,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_scales.calibrate(layer, k, v)
         return kv_scales.k[layer], kv_scales.v[layer]
 
-    def _attend(self, q, kv_cache, meta, ks, vs, l2_prefetch=None):
+    def _attend(self, q, kv_cache, meta, ks, vs):
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens,
-                                          self.scale, ks, vs, l2_prefetch=l2_prefetch)
+                                          self.scale, ks, vs)
         return paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, self.scale, ks, vs)

@@ -57,17 +57,15 @@ class Attention(torch.nn.Module):
         o = self.attend(rope, self.qkv_proj(x), kv_cache, meta, kv_scales)
         return self.o_proj(o)
 
-    def attend(self, rope, qkv, kv_cache, meta, kv_scales, l2_prefetch=None):
-        """qkv [T, q+k+v] -> rope, KV write, attention -> [T, Hq * D] (before o_proj).
-        l2_prefetch: the weight read next, a hint for the backend (AttentionBackend.forward_rope)."""
+    def attend(self, rope, qkv, kv_cache, meta, kv_scales):
+        """qkv [T, q+k+v] -> rope, KV write, attention -> [T, Hq * D] (before o_proj)."""
         t = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(t, self.num_heads, self.head_dim)      # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # rotary + KV write + attention (the backend may fuse the rotation into its KV write)
-        o = self.backend.forward_rope(self.layer_idx, q, k, v, rope, kv_cache, meta, kv_scales,
-                                      l2_prefetch=l2_prefetch)  # [T, Hq, D]
+        o = self.backend.forward_rope(self.layer_idx, q, k, v, rope, kv_cache, meta, kv_scales)  # [T, Hq, D]
         return o.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -112,7 +110,7 @@ class DecoderLayer(torch.nn.Module):
         pdl = SKINNY_PDL.get
         qkv = skinny_linear(res, a.qkv_proj.weight, a.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps,
                             pdl=pdl("qkv"))
-        o = a.attend(rope, qkv, kv_cache, meta, kv_scales, l2_prefetch=a.o_proj.weight)
+        o = a.attend(rope, qkv, kv_cache, meta, kv_scales)
         skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"))
         act = skinny_linear(res, m.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu=True,
                             pdl=pdl("gate_up"))

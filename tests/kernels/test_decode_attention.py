@@ -173,31 +173,3 @@ def test_fused_rope_append_rejects_bad_shapes(device):
         paged_decode_attention(q, cache, bt, lens, 1.0, new_kv=(k[:, :1], k[:, :1], cs, cs, idx, idx))
     with pytest.raises(ValueError, match="whole head_dim"):
         paged_decode_attention(q, cache, bt, lens, 1.0, new_kv=(k, k, cs[:, :8], cs[:, :8], idx, idx))
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_l2_prefetch_changes_nothing(num_splits, device, monkeypatch):
-    """An L2 prefetch hint (the next weight, requested by the split kernel before its PDL
-    wait) leaves the output, the cache and the hinted tensor bit-identical. On CPU (the
-    interpreter has no inline PTX) no prefetch is issued; on a GPU this runs the prefetch."""
-    from engine.kernels import decode_attention as da
-    from engine.kernels.l2_prefetch import prefetch_view
-
-    seq_lens = [1, 40, 77]
-    kv, meta = make_batch(seq_lens, [1] * 3, 16, 2, 64, torch.bfloat16, device, seed=5)
-    q = torch.randn(3, 8, 64, device=device).to(torch.bfloat16)
-    w = torch.randn(300, 129, device=device).to(torch.bfloat16)  # odd size: a partial last line
-    w0, kv0 = w.clone(), kv.clone()
-    outs = []
-    for max_seqs in (0, 8):
-        monkeypatch.setattr(da, "L2_PREFETCH_MAX_SEQS", max_seqs)
-        outs.append(da.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125,
-                                              num_splits=num_splits, l2_prefetch=w))
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(w, w0) and torch.equal(kv, kv0)
-    view, nbytes = prefetch_view(w, 1000)
-    if device.type == "cuda":
-        assert view.dtype == torch.uint8 and view.numel() == w.numel() * 2 and nbytes == 1000
-        assert prefetch_view(w.t(), 1 << 30) == (None, 0)  # not contiguous: no prefetch
-    else:
-        assert (view, nbytes) == (None, 0)

@@ -40,12 +40,3 @@ def test_pdl_instructions_follow_the_pdl_constexpr(compiled):
             assert not r["has_wait"] and not r["has_trigger"], r
         else:  # 1 (trigger at the start) or 2 (late): both wait and trigger
             assert r["has_wait"] and r["has_trigger"], r
-
-
-def test_l2_prefetch_only_where_asked(compiled):
-    """The prefetch (inline PTX, never run by the interpreter) survives compilation, before the
-    PDL wait, and only in the variant that asks for it."""
-    for r in compiled:
-        assert (r["prefetches"] > 0) == bool(r["variant"].get("L2_PF")), r
-        if r["prefetches"] and r["has_wait"]:
-            assert r["prefetch_before_wait"], r
