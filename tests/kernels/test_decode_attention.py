@@ -173,3 +173,42 @@ def test_fused_rope_append_rejects_bad_shapes(device):
         paged_decode_attention(q, cache, bt, lens, 1.0, new_kv=(k[:, :1], k[:, :1], cs, cs, idx, idx))
     with pytest.raises(ValueError, match="whole head_dim"):
         paged_decode_attention(q, cache, bt, lens, 1.0, new_kv=(k, k, cs[:, :8], cs[:, :8], idx, idx))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("rope", [False, True])
+def test_fused_reduce_is_bit_identical(num_splits, rope, device, monkeypatch):
+    """FUSED_REDUCE (the last-arriving split program of each (sequence, KV head) merges the
+    splits) gives the reduce kernel's values bit for bit, twice in a row (the arrival counters
+    return to zero), with an empty sequence and a split count above the tile count."""
+    from engine.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(num_splits)
+    d, bs, hkv, hq = 32, 16, 2, 8
+    lens = torch.tensor([37, 1, 70, 0], dtype=torch.int32)
+    S, nblk = 4, 5
+    cache = torch.randn(2, S * nblk + 1, bs, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    bt = torch.randperm(S * nblk, generator=g).view(S, nblk).to(torch.int32).to(device)
+    q = torch.randn(S, hq, d, generator=g).to(torch.bfloat16).to(device)
+    new_kv = None
+    if rope:
+        pos = (lens - 1).clamp(min=0)
+        slots = torch.tensor([int(bt[i, p // bs]) * bs + int(p) % bs for i, p in enumerate(pos.tolist())])
+        slots[3] = -1
+        f = pos.float()[:, None] * (1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d))[None, :]
+        kv_new = torch.randn(2, S, hkv, d, generator=g).to(torch.bfloat16).to(device)
+        new_kv = (kv_new[0], kv_new[1], f.cos().to(device), f.sin().to(device),
+                  torch.arange(S, device=device), slots.to(device))
+    lens = lens.to(device)
+    outs, caches = [], []
+    for fused in (False, True, True):
+        monkeypatch.setattr(da, "FUSED_REDUCE", fused)
+        c = cache.clone()
+        outs.append(da.paged_decode_attention(q, c, bt, lens, d ** -0.5, num_splits=num_splits,
+                                              block_n=16, new_kv=new_kv))
+        caches.append(c)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(caches[0], c) for c in caches[1:])
+    assert torch.count_nonzero(outs[0][3]) == 0
+    locks = da._LOCKS[(device.type, device.index)]  # (exists: the fused path ran)
+    assert int(locks.count_nonzero()) == 0
