@@ -3,8 +3,7 @@
 Stage 1 (_decode_split_kernel), grid (num_seqs, num_kv_heads, num_splits): each program takes
 ALL query heads of one KV head group (GQA) so every K/V byte is read once, and one contiguous
 slice of the sequence's context. It writes a normalised partial output and its log-sum-exp
-(base 2). Stage 2 (_decode_reduce_kernel), grid (num_seqs, num_heads), merges the splits;
-with FUSED_REDUCE the last-arriving split program of each (sequence, KV head) merges them.
+(base 2). Stage 2 (_decode_reduce_kernel), grid (num_seqs, num_heads), merges the splits.
 With num_splits == 1 stage 1 writes the final output directly. num_splits is a runtime
 argument (only ==1 vs >1 compiles differently), so tuning it costs no recompiles.
 
@@ -36,10 +35,6 @@ PDL_REDUCE = True
 # decode_ab-20261203T074351: 8B batch 1 -0.5% / +1.7%), when no attention program could be
 # resident beside the qkv matmul before it ended; kept as a switch for that A/B.
 EARLY_KV = False
-# The split-merge done by the last-arriving split program of each (sequence, KV head) (an
-# atomic arrival count, as in TensorRT-LLM's multi-block decode) instead of a second kernel:
-# one grid-dependency hop fewer between the qkv matmul and o_proj.
-FUSED_REDUCE = False
 
 
 @triton.jit
@@ -81,44 +76,18 @@ def _new_kv_row(kn_ptr, vn_ptr, s, kvh, stride_kt, stride_kh, stride_vt, stride_
     return kr.to(cdt), vv.to(cdt)
 
 
-@triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, row, num_splits, SPLITS_PAD: tl.constexpr,
-                  D_PAD: tl.constexpr, CG: tl.constexpr):
-    """[D_PAD] fp32: the num_splits partial outputs of head row `row` (partials at
-    row * num_splits + split) merged by their log-sum-exps (empty splits: lse -inf, weight 0).
-    CG: read through L2 (.cg), for partials other programs of the same grid just wrote."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < num_splits
-    if CG:
-        lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"),
-                      cache_modifier=".cg")
-        o = tl.load(part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :],
-                    mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-        o = tl.load(part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :],
-                    mask=s_mask[:, None], other=0.0)
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # 0 for empty splits
-    tot = tl.sum(w, 0)
-    return tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                          out_ptr, part_o_ptr, part_lse_ptr, sm_scale, num_splits,
                          stride_qt, stride_qh, stride_c_kv, stride_c_slot, stride_c_h, stride_bt,
                          stride_ot, stride_oh,
                          kn_ptr, vn_ptr, cos_ptr, sin_ptr, idx_ptr, slot_ptr,
-                         stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, lock_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                          PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
-                         EARLY_KV: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
+                         EARLY_KV: tl.constexpr):
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
@@ -233,19 +202,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        if FUSED_REDUCE:
-            # every thread's partial stores are ordered before the (single-thread) gpu-scope
-            # release of the arrival count; the last arriver acquires, so it sees all partials
-            tl.debug_barrier()
-            cnt = lock_ptr + s * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.store(cnt, 0)  # ready for the next launch (graph replays included)
-                for g in tl.static_range(G):
-                    hrow = s.to(tl.int64) * (G * tl.num_programs(1)) + kvh * G + g
-                    res = _merge_splits(part_o_ptr, part_lse_ptr, hrow, num_splits, SPLITS_PAD, D_PAD, True)
-                    tl.store(out_ptr + s.to(tl.int64) * stride_ot + (kvh * G + g) * stride_oh + offs_d,
-                             res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -259,8 +215,17 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = s.to(tl.int64) * tl.num_programs(1) + h
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    res = _merge_splits(part_o_ptr, part_lse_ptr, row, num_splits, SPLITS_PAD, D_PAD, False)
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    o = tl.load(part_o_ptr + (row * num_splits + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)
+    tot = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     if PDL == 2:  # late trigger (engine/kernels/pdl.py)
         gdc_launch_dependents()
     tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
@@ -355,9 +320,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_o = part_lse = out  # unused
     ks = k_scale if is_fp8 else seq_lens
     vs = v_scale if is_fp8 else seq_lens
-    fused_reduce = FUSED_REDUCE and num_splits > 1
-    locks = _locks(q.device, S * Hkv) if fused_reduce else seq_lens
-    splits_pad = max(2, triton.next_power_of_2(num_splits))
     pdl = pdl_mode(q.device)
     pdl_split = pdl if PDL_SPLIT else 0
     pdl_reduce = pdl if PDL_REDUCE else 0
@@ -365,38 +327,18 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        *(rope if rope is not None else (q,) * 6 + (0,) * 5), locks,
+        *(rope if rope is not None else (q,) * 6 + (0,) * 5),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
-        EARLY_KV=EARLY_KV and rope is not None, FUSED_REDUCE=fused_reduce, SPLITS_PAD=splits_pad,
+        EARLY_KV=EARLY_KV and rope is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl_split))
-    if num_splits > 1 and not fused_reduce:
+    if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
-            SPLITS_PAD=splits_pad, PDL=pdl_reduce, num_warps=4,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl_reduce, num_warps=4,
             **pdl_launch(pdl_reduce))
     return out
-
-
-# Arrival counters of the fused reduce, one int32 per (sequence, KV head), per device; the last
-# arriver resets its counter, so the buffer is all-zero between launches. NOTE: decode
-# attention launches on one device never run concurrently (one stream per process; a PDL
-# dependent touches nothing before its wait, i.e. before this grid completed).
-_LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    key = (device.type, device.index)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("paged_decode_attention: the fused reduce's counters must be allocated "
-                               "before CUDA-graph capture (run the batch once eagerly first, as the "
-                               "graph warm-up does)")
-        buf = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
-        _LOCKS[key] = buf
-    return buf
 
 
 def _check_new_kv(new_kv, q, kv_cache, is_fp8, D, D_PAD) -> tuple:
