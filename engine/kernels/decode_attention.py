@@ -31,9 +31,14 @@ LOG2E = 1.4426950408889634
 PDL_SPLIT = True
 PDL_REDUCE = True
 # With the fused rotary (new_kv): the split's first K/V tile loaded before the PDL wait, the new
-# token's row patched in from registers. Off: an earlier form gave no whole-step gain (H200,
-# decode_ab-20261203T074351: 8B batch 1 -0.5% / +1.7%), when no attention program could be
-# resident beside the qkv matmul before it ended; kept as a switch for that A/B.
+# token's row patched in from registers. Off: no whole-step gain on the H200, neither in an
+# earlier form (decode_ab-20261203T074351: 8B batch 1 -0.5% / +1.7%) nor with room for an
+# attention program beside the qkv slab (decode_ab-20261203T141050, 8B batch 1, ctx 1024 /
+# 4096, medians of 5: alone +0.8% / +1.8%; with a 32-token 4-warp tile -0.7% / +1.4%; plus the
+# qkv slab at 3 programs per SM -1.1% / +1.5%). Tried and reverted on 2026-12-03: the splits
+# merged by the last-arriving split program instead of the reduce kernel (+6% at 8B batch 1,
+# decode_ab-20261203T143034), and an L2 prefetch of o_proj's weight by the split programs
+# (+0.2-1.9%, decode_ab-20261203T142232; README).
 EARLY_KV = False
 
 
