@@ -46,7 +46,11 @@ def median(xs):
     return statistics.median(xs)
 
 
-def print_table(rows: list[dict], cols: list[str]) -> None:
+def print_table(rows: list[dict], cols: list[str], float_fmt: str | None = None) -> None:
+    """Aligned columns; float_fmt (e.g. ".4g") formats float cells."""
+    if float_fmt:
+        rows = [{k: (format(v, float_fmt) if isinstance(v, float) else v) for k, v in r.items()}
+                for r in rows]
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     print("  ".join("-" * w for w in widths))

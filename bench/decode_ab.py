@@ -54,8 +54,8 @@ import torch
 
 import engine.kernels.decode_attention as da
 from bench.common import parse_attrs, print_table, write_result
-from bench.engine_gpu_steps import copy_bandwidth_gbs, make_engine, time_decode
-from bench.timing import graph_time_ms
+from bench.engine_gpu_steps import make_engine, time_decode
+from bench.timing import copy_bandwidth_gbs, graph_time_ms
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 

@@ -21,9 +21,10 @@ import time
 import torch
 
 from bench.common import print_table, write_result
-from bench.engine_gpu_steps import (copy_bandwidth_gbs, gemm_tflops, hf_decode_ms,
-                                    hf_generate_ms_per_token, kv_bytes_per_token, make_engine,
-                                    model_flops_per_token, time_decode, time_prefill, weight_bytes)
+from bench.engine_gpu_steps import (gemm_tflops, hf_decode_ms, hf_generate_ms_per_token,
+                                    kv_bytes_per_token, make_engine, model_flops_per_token,
+                                    time_decode, time_prefill, weight_bytes)
+from bench.timing import copy_bandwidth_gbs
 from engine.runner import format_ranges
 
 DECODE_CASES = [(1, 1024), (8, 1024), (32, 1024), (64, 1024), (128, 1024),

@@ -16,13 +16,6 @@ from engine.layers.attention import AttentionMetadata
 from engine.runner import StepInput
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    ms = cuda_time_ms(lambda: y.copy_(x), iters=20)
-    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
-
-
 def gemm_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import git_commit, print_table, write_result  # noqa: E402
-from bench.timing import cuda_time_ms, graph_time_ms  # noqa: E402
+from bench.timing import copy_bandwidth_gbs, cuda_time_ms, graph_time_ms  # noqa: E402
 from engine.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from engine.kernels.kv_write import write_kv  # noqa: E402
 from engine.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
@@ -77,13 +77,6 @@ def time_graph(fn, reps: int = 20, iters: int = 20) -> float | None:
         return None
 
 
-def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
-    """Device-to-device copy rate, counting bytes read + written (the memory-bound ceiling)."""
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device=DEV)
-    y = torch.empty_like(x)
-    return 2 * nbytes / time_cuda(lambda: y.copy_(x), warmup=3, iters=20) / 1e6
-
-
 def run_info(commit: str | None) -> dict:
     import triton
 
@@ -94,11 +87,6 @@ def run_info(commit: str | None) -> dict:
             "gpu_mem_gib": round(p.total_memory / 2**30, 1), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda,
             "git_commit": commit or os.environ.get("GIT_COMMIT") or git_commit()}
-
-
-def show(rows: list[dict], cols: list[str]) -> None:
-    print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
-                cols)
 
 
 def _err(a, b) -> float:
@@ -378,8 +366,8 @@ def main() -> int:
     if not args.skip_check:
         data["correctness"] = check_correctness()
         print("\n== correctness vs torch reference")
-        show(data["correctness"], ["check", "max_abs_err", "tol", "ok"])
-    copy = copy_bandwidth_gbs(n(2**30))
+        print_table(data["correctness"], ["check", "max_abs_err", "tol", "ok"], float_fmt=".4g")
+    copy = copy_bandwidth_gbs(n(2**30), DEV, timer=time_cuda)
     data["copy_GBps"] = copy
     print(f"\n== device copy bandwidth (read+write): {copy:.0f} GB/s")
     dec = bench_decode(args.sweep, batch=max(2, 32 // SHRINK), ctx=n(4096))
@@ -387,16 +375,16 @@ def main() -> int:
     print("\n== paged decode attention (us / GB/s: CUDA-graph replay; us_eager: incl. launch)", dec["config"])
     for r in dec["runs"]:
         r["pct_copy"] = 100 * r["GB/s"] / copy
-    show(dec["runs"], ["impl", "kv", "block_n", "num_warps", "num_stages", "prefetch", "num_splits",
-                       "us_eager", "us",
-                              "GB/s", "pct_copy"])
+    print_table(dec["runs"], ["impl", "kv", "block_n", "num_warps", "num_stages", "prefetch", "num_splits",
+                              "us_eager", "us", "GB/s", "pct_copy"], float_fmt=".4g")
     pre = bench_prefill(args.sweep, nseq=max(1, 8 // SHRINK), L=n(2048))
     data["prefill"] = pre
     print("\n== varlen prefill attention", pre["config"])
-    show(pre["runs"], ["impl", "block_m", "block_n", "num_warps", "num_stages", "ms", "TFLOP/s", "error"])
+    print_table(pre["runs"], ["impl", "block_m", "block_n", "num_warps", "num_stages", "ms", "TFLOP/s", "error"],
+                float_fmt=".4g")
     data["small"] = bench_small()
     print("\n== small kernels (Triton rows: CUDA-graph replay; torch refs: eager)")
-    show(data["small"], ["kernel", "us", "GB/s"])
+    print_table(data["small"], ["kernel", "us", "GB/s"], float_fmt=".4g")
     info = data.pop("info")
     path = write_result("kernels_gpu", {"sweep": args.sweep, **info,
                                         "decode": dec["config"], "prefill": pre["config"]}, data)

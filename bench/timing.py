@@ -49,3 +49,13 @@ def graph_time_ms(fns, iters: int = 15, warmup: int = 3) -> float:
         return cuda_time_ms(g.replay, iters=iters, warmup=warmup) / len(fns)
     finally:
         del g  # the graph's private memory goes back before the next case
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, device: str = "cuda", timer=cuda_time_ms) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read + written: the memory-bound
+    ceiling the benchmarks' floors use. timer(fn, iters=...) -> median ms (a CPU smoke run
+    passes its own)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    ms = timer(lambda: y.copy_(x), iters=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
