@@ -239,6 +239,16 @@ def test_cublas_route_matches_fused_kernel(dtype, device):
     f32 = skinny_linear(x, wn, out_dtype=torch.float32, config=CUBLAS)
     assert f32.dtype == torch.float32 and rel_err(f32, skinny_linear_ref(x, wn)) < tol
     assert SkinnyConfig.from_table(["cublas"]) is CUBLAS and CUBLAS.to_table() == ["cublas"]
+    # no epilogue: the matmul writes `out` itself (no copy), values exactly F.linear's
+    for bias in (None, b):
+        xs = x[:, ::1]
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        got = skinny_linear(xs, wn, bias, out=out, config=CUBLAS)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got, torch.nn.functional.linear(xs, wn, bias))
+    wide = torch.empty(m, 2 * n, dtype=dtype, device=device)  # out with a row stride
+    got = skinny_linear(x, wn, out=wide[:, :n], config=CUBLAS)
+    assert torch.equal(wide[:, :n], torch.nn.functional.linear(x, wn))
 
 
 
