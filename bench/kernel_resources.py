@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from engine.kernels.slab_gemv import programs_that_fit
+from engine.kernels.common import programs_that_fit
 
 # (module, JIT function) of the kernels of a decode / prefill step
 ENGINE_KERNELS = (("engine.kernels.skinny_gemm", "_skinny_gemm_kernel"),

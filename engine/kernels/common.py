@@ -40,3 +40,14 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     """NOTE: the Triton interpreter computes tl.dot on bf16 operands wrongly (raw bits), so
     under the interpreter bf16 kernels upcast their dot operands to fp32. Never on GPU."""
     return dtype == torch.bfloat16 and interpreting()
+
+
+def programs_that_fit(n_regs: int, num_warps: int, shared_bytes: int = 0, regs_per_sm: int = 65536,
+                      threads_per_sm: int = 2048, smem_per_sm: int = 228 * 1024,
+                      blocks_per_sm: int = 32) -> int:
+    """Resident programs per SM for a kernel using n_regs registers per thread (allocated per
+    warp in units of 256) and shared_bytes of shared memory per program; at least 1."""
+    warp_regs = -(-n_regs * 32 // 256) * 256
+    fit = min(regs_per_sm // max(1, warp_regs * num_warps), threads_per_sm // (32 * num_warps),
+              blocks_per_sm, smem_per_sm // shared_bytes if shared_bytes else blocks_per_sm)
+    return max(1, fit)

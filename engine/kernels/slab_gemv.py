@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import num_sms
+from engine.kernels.common import num_sms, programs_that_fit
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.skinny_gemm_parts import _epilogue
 
@@ -53,17 +53,6 @@ log = logging.getLogger("splitserve.engine.kernels")
 MAX_K = 16384
 # (device index, shape, kernel variant) -> programs of it that fit on one SM (first launch)
 _FIT: dict[tuple, int] = {}
-
-
-def programs_that_fit(n_regs: int, num_warps: int, shared_bytes: int = 0, regs_per_sm: int = 65536,
-                      threads_per_sm: int = 2048, smem_per_sm: int = 228 * 1024,
-                      blocks_per_sm: int = 32) -> int:
-    """Resident programs per SM for a kernel using n_regs registers per thread (allocated per
-    warp in units of 256) and shared_bytes of shared memory per program; at least 1."""
-    warp_regs = -(-n_regs * 32 // 256) * 256
-    fit = min(regs_per_sm // max(1, warp_regs * num_warps), threads_per_sm // (32 * num_warps),
-              blocks_per_sm, smem_per_sm // shared_bytes if shared_bytes else blocks_per_sm)
-    return max(1, fit)
 
 
 def _fit_of(compiled, num_warps: int, device: torch.device) -> int | None:

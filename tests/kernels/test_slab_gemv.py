@@ -98,7 +98,7 @@ def test_long_slabs(cfg, device):
 def test_programs_that_fit():
     """Occupancy from registers (allocated per warp in units of 256), threads and shared memory:
     the one-wave grid never asks for more programs per SM than this."""
-    from engine.kernels.slab_gemv import programs_that_fit
+    from engine.kernels.common import programs_that_fit
 
     assert programs_that_fit(58, 8) == 4  # 8B gate_up slab, 1 row a step
     assert programs_that_fit(72, 8) == 3  # 2 rows a step
