@@ -14,7 +14,6 @@ DOT = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=Tr
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,cfg", [(1, 40, 64, FMA), (1, 48, 100, FMA), (1, 33, 96, DOT),
                                        (3, 48, 100, DOT), (16, 32, 64, DOT), (5, 17, 40, DOT),
@@ -251,7 +250,6 @@ def test_cublas_route_matches_fused_kernel(dtype, device):
     assert torch.equal(wide[:, :n], torch.nn.functional.linear(x, wn))
 
 
-
 ONE_FMA = SkinnyConfig(4, 128, 4, 1, False)  # K <= 128: the whole row in one chunk, no K loop
 ONE_DOT = SkinnyConfig(16, 128, 4, 1, True)
 ONE_SPLIT = SkinnyConfig(8, 32, 4, 1, False, split_k=4)  # K = 128: one chunk per split
@@ -270,7 +268,6 @@ def test_one_chunk_programs(cfg, m, n, k, device):
     r = res.clone()
     skinny_linear(x, wn, residual=r, out=r, config=cfg)
     assert rel_err(r, skinny_linear_ref(x, wn, residual=res)) < TOL[dtype]
-
 
 
 def test_forget_cached_picks_up_a_new_config_dir(tmp_path, monkeypatch):
