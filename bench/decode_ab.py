@@ -61,27 +61,39 @@ HQ, HKV, D, BS = 32, 8, 128, 16
 
 
 def _attn_inputs(batch: int, ctx: int):
-    nblk = -(-ctx // BS)
-    cache = torch.randn(batch * nblk + 1, 2, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    """A decode step's attention inputs as the engine has them: the engine's per-layer cache
+    layout [2, blocks, BS, Hkv, D], `ctx` cached tokens plus the new one (seq_len ctx + 1)
+    on scattered blocks, and the fused rotary + KV append (new_kv) the step uses.
+    (Before 2026-12-03 this took a [blocks, 2, ...] cache, which the kernel addresses as
+    [2, ...]: K and V reads then overlapped in memory, half the bytes came from L2, and b=64
+    ctx=2048 timed 117 us where the engine's layout takes 131.5; attn_gap in the README.)"""
+    n = ctx + 1
+    nblk = -(-n // BS)
+    cache = torch.randn(2, batch * nblk + 1, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
     bt = torch.randperm(batch * nblk, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, nblk)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    return q, cache, bt, lens
+    k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(n, D // 2, device="cuda") for _ in range(2))
+    idx = torch.full((batch,), n - 1, device="cuda", dtype=torch.int64)
+    slots = bt[:, (n - 1) // BS].long() * BS + (n - 1) % BS
+    return q, cache, bt, lens, (k, v, cos, sin, idx, slots)
 
 
 TILES = [(32, 4, 2, True), (32, 4, 3, True), (64, 4, 2, True), (64, 8, 2, True), (64, 4, 3, False),
-         (128, 8, 2, True), (128, 8, 3, False), (16, 4, 3, True), (32, 2, 2, True), (64, 8, 3, False)]
+         (128, 8, 2, True), (128, 8, 3, False), (16, 4, 3, True), (32, 2, 2, True), (64, 8, 3, False),
+         (64, 4, 2, False), (64, 4, 4, False), (64, 2, 2, False), (32, 2, 2, False), (128, 4, 2, False)]
 
 
-def attention_tiles(cases=((64, 2048), (128, 1024), (32, 4096))) -> list[dict]:
+def attention_tiles(cases=((64, 2048), (48, 2048), (128, 1024), (32, 4096))) -> list[dict]:
     """Tile (block_n, warps, stages, register prefetch) then split count, per case."""
     rows = []
     for batch, ctx in cases:
-        q, cache, bt, lens = _attn_inputs(batch, ctx)
-        nbytes = batch * ctx * HKV * D * 2 * 2
+        q, cache, bt, lens, new_kv = _attn_inputs(batch, ctx)
+        nbytes = batch * (ctx + 1) * HKV * D * 2 * 2
 
         def run(**kw):
-            fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, **kw)  # noqa: E731
+            fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv, **kw)  # noqa: E731
             us = graph_time_ms([fn] * 10, iters=20) * 1e3
             r = {"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
                  "GB/s": round(nbytes / us / 1e3)}
@@ -95,7 +107,7 @@ def attention_tiles(cases=((64, 2048), (128, 1024), (32, 4096))) -> list[dict]:
         best = min((r for r in rows if r["case"] == base["case"]), key=lambda r: r["us"])
         print(f"   {base['case']}: default {base['us']} us ({base['GB/s']} GB/s); best {best['cfg']} "
               f"{best['us']} us ({best['GB/s']} GB/s)", flush=True)
-        del q, cache, bt, lens
+        del q, cache, bt, lens, new_kv
     return rows
 
 
@@ -109,16 +121,16 @@ def attention_splits() -> list[dict]:
     the current default's (max abs difference)."""
     rows = []
     for batch, ctx in SPLIT_CASES:
-        q, cache, bt, lens = _attn_inputs(batch, ctx)
-        nbytes = batch * ctx * HKV * D * 2 * 2
-        ref = da.paged_decode_attention(q, cache, bt, lens, D ** -0.5).float()
-        base = graph_time_ms([lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5)] * 10,
-                             iters=20) * 1e3
+        q, cache, bt, lens, new_kv = _attn_inputs(batch, ctx)
+        nbytes = batch * (ctx + 1) * HKV * D * 2 * 2
+        ref = da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv).float()
+        base = graph_time_ms([lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv)]
+                             * 10, iters=20) * 1e3
         best = (base, "default")
         for bn, nw, ns, pf in SPLIT_TILES:
             for sp in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
                 kw = dict(block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf, num_splits=sp)
-                fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, **kw)  # noqa: E731
+                fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv, **kw)  # noqa: E731
                 err = (fn().float() - ref).abs().max().item()
                 us = graph_time_ms([fn] * 10, iters=20) * 1e3
                 rows.append({"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
@@ -128,7 +140,7 @@ def attention_splits() -> list[dict]:
               f"max err {max(r['max_err'] for r in rows if r['case'].endswith(f'b={batch} ctx={ctx}')):.2e}",
               flush=True)
         rows.append({"case": f"attn b={batch} ctx={ctx}", "cfg": "default", "us": round(base, 2)})
-        del q, cache, bt, lens
+        del q, cache, bt, lens, new_kv
     return rows
 
 

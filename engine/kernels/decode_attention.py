@@ -259,12 +259,24 @@ class DecodeTile:
 TILE_16BIT = DecodeTile(128, 8, 3, False, programs_per_sm=2, min_tiles_per_split=1)
 TILE_FP8 = DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=4)
 TILE_WIDE_HEAD = DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
+# 16-bit tile for batches whose (sequence, KV head) pairs already fill TILE_16BIT's wave, so
+# that no split is made: there the kernel streams KV at full occupancy and smaller programs
+# keep more bytes in flight. H200, engine cache layout, 8B heads, batch 64 ctx 2049 with the
+# fused rotary (2026-12-03): 128/8/3 136.9 us, 64/4/2 129.0 us (attn_gap sweep, README).
+TILE_16BIT_BATCH = DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=1)
+BATCH_TILE = False  # module switch (bench.decode_ab --attr-b)
 
 
-def default_tile(is_fp8: bool, head_dim_pad: int) -> DecodeTile:
+def default_tile(is_fp8: bool, head_dim_pad: int, pairs: int = 0,
+                 device: torch.device | None = None) -> DecodeTile:
+    """pairs: num_seqs x num_kv_heads of the launch (0: unknown, the small-batch tile)."""
     if head_dim_pad > 128:
         return TILE_WIDE_HEAD
-    return TILE_FP8 if is_fp8 else TILE_16BIT
+    if is_fp8:
+        return TILE_FP8
+    if BATCH_TILE and pairs and device is not None and pairs >= TILE_16BIT.programs_per_sm * num_sms(device):
+        return TILE_16BIT_BATCH
+    return TILE_16BIT
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -309,7 +321,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         return out
     G = Hq // Hkv
     D_PAD = triton.next_power_of_2(D)
-    tile = default_tile(is_fp8, D_PAD)  # each argument left None takes the tile's value
+    # each argument left None takes the tile's value
+    tile = default_tile(is_fp8, D_PAD, S * Hkv, q.device)
     block_n = tile.block_n if block_n is None else block_n
     num_warps = tile.num_warps if num_warps is None else num_warps
     num_stages = tile.num_stages if num_stages is None else num_stages

@@ -85,6 +85,38 @@ def test_split_rule_keeps_one_wave_and_a_tile_per_split(seqs, heads):
             assert seqs * heads * (sp + 1) > 2 * 8 or sp == 64
 
 
+def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
+    import engine.kernels.decode_attention as da
+
+    cpu = torch.device("cpu")  # nominal 8 SMs: the default tile's wave is 2 x 8 = 16 programs
+    monkeypatch.setattr(da, "BATCH_TILE", True)
+    assert da.default_tile(False, 128, 15, cpu) is da.TILE_16BIT
+    assert da.default_tile(False, 128, 16, cpu) is da.TILE_16BIT_BATCH
+    assert da.default_tile(False, 64, 512, cpu) is da.TILE_16BIT_BATCH
+    assert da.default_tile(True, 128, 512, cpu) is da.TILE_FP8
+    assert da.default_tile(False, 256, 512, cpu) is da.TILE_WIDE_HEAD
+    assert da.default_tile(False, 128, 0, cpu) is da.TILE_16BIT  # pairs unknown
+    monkeypatch.setattr(da, "BATCH_TILE", False)
+    assert da.default_tile(False, 128, 512, cpu) is da.TILE_16BIT
+
+
+@pytest.mark.parametrize("batch_tile", [False, True])
+def test_decode_batch_tile_matches_reference(batch_tile, device, monkeypatch):
+    """Enough (sequence, KV head) pairs for the batch tile on the CPU's nominal 8 SMs (16+),
+    with and without it: same results as the reference, in bf16 and through the fused rotary."""
+    import engine.kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "BATCH_TILE", batch_tile)
+    seq_lens = [1, 17, 64, 65, 130, 3, 40, 77]
+    kv, meta = make_batch(seq_lens, [1] * len(seq_lens), 16, 2, 64, torch.bfloat16, device)
+    q = torch.randn(len(seq_lens), 4, 64, device=device).to(torch.bfloat16)
+    want = da.TILE_16BIT_BATCH if batch_tile else da.TILE_16BIT
+    assert da.default_tile(False, 64, len(seq_lens) * 2, q.device) is want
+    out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125)
+    ref = paged_attention_torch(q, kv, meta, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hkv,gqa,num_splits,prefetch", [(2, 4, 1, False), (1, 3, 3, True), (4, 2, 2, False)])
 def test_fused_rope_append_matches_two_kernels(dtype, hkv, gqa, num_splits, prefetch, device):
