@@ -95,7 +95,7 @@ def attention_tiles(cases=((64, 2048), (48, 2048), (128, 1024), (32, 4096))) -> 
         def run(**kw):
             fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv, **kw)  # noqa: E731
             us = graph_time_ms([fn] * 10, iters=20) * 1e3
-            r = {"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
+            r = {"case": f"attn b={batch} ctx={ctx}" + (f" d={D}" if D != 128 else ""), "cfg": kw, "us": round(us, 2),
                  "GB/s": round(nbytes / us / 1e3)}
             rows.append(r)
             return r
@@ -283,6 +283,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--attn-tiles", action="store_true", help="tile sweep, batches 32-128")
     ap.add_argument("--attn-splits", action="store_true", help="split count per tile, batches 1-64")
+    ap.add_argument("--attn-cases", default="64:2048,48:2048,128:1024,32:4096",
+                    help="batch:ctx cases of --attn-tiles")
+    ap.add_argument("--attn-head-dim", type=int, default=128,
+                    help="head_dim of --attn-tiles / --attn-splits (128: Llama-3.1-8B, 64: Llama-3.2-1B)")
     ap.add_argument("--fused-ab", action="store_true",
                     help="engine A/B of the matmul path at 32-64 rows instead of the tile A/B")
     ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json[,...]",
@@ -299,7 +303,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    trows = attention_tiles() if a.attn_tiles else []
+    global D
+    D = a.attn_head_dim
+    attn_cases = [tuple(int(v) for v in c.split(":")) for c in a.attn_cases.split(",")]
+    trows = attention_tiles(attn_cases) if a.attn_tiles else []
     trows += attention_splits() if a.attn_splits else []
     erows = []
     for shape in a.shapes.split(","):
@@ -332,7 +339,7 @@ def main() -> None:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab,
                                       "table_ab": a.table_ab, "tile_b": a.tile_b, "attr_b": a.attr_b, "attn_cost": a.attn_cost,
-                                      "cases": a.cases if a.table_ab or a.tile_b or a.attr_b or a.attn_cost else None, "copy_gbs": round(bw, 1),
+                                      "cases": a.cases if a.table_ab or a.tile_b or a.attr_b or a.attn_cost else None, "copy_gbs": round(bw, 1), "attn_head_dim": D,
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)
