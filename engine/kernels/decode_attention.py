@@ -259,12 +259,18 @@ class DecodeTile:
 TILE_16BIT = DecodeTile(128, 8, 3, False, programs_per_sm=2, min_tiles_per_split=1)
 TILE_FP8 = DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=4)
 TILE_WIDE_HEAD = DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
-# 16-bit tile for batches whose (sequence, KV head) pairs already fill TILE_16BIT's wave, so
-# that no split is made: there the kernel streams KV at full occupancy and smaller programs
-# keep more bytes in flight. H200, engine cache layout, 8B heads, batch 64 ctx 2049 with the
-# fused rotary (2026-12-03): 128/8/3 136.9 us, 64/4/2 129.0 us (attn_gap sweep, README).
+# 16-bit tiles for batches whose (sequence, KV head) pairs already fill TILE_16BIT's wave, so
+# that no split is made: there every program streams its whole context and smaller programs,
+# more of them per SM, keep more bytes in flight. H200 (2026-12-03, engine cache layout, the
+# fused rotary, bench.decode_ab --attn-tiles): 128-wide heads (8B), 64-token tiles on 4 warps,
+# batch 64 ctx 2048 136.9 -> 128.3 us, batch 128 ctx 1024 148.5 -> 131.2 us, whole 8B steps
+# 3.4-8.7% faster at batches 48-128 (decode_ab-20261203T151113); 64-wide heads (1B), 128-token
+# tiles on 4 warps, batch 128 ctx 1024 89.0 -> 77.1 us, whole 1B steps at batches 40 / 48 / 56
+# / 64 / 96 / 128: -4.6 / -5.9 / -16.6 / -9.2 / +4.3 / +0.1% (-T151328; the 64-token tile
+# there: +7.6 / +6.7 / -8.9 / -11.4 / -5.7 / +0.2%).
 TILE_16BIT_BATCH = DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=1)
-BATCH_TILE = False  # module switch (bench.decode_ab --attr-b)
+TILE_16BIT_BATCH_NARROW = DecodeTile(128, 4, 2, False, programs_per_sm=4, min_tiles_per_split=1)
+BATCH_TILE = True  # module switch (bench.decode_ab --attr-b)
 
 
 def default_tile(is_fp8: bool, head_dim_pad: int, pairs: int = 0,
@@ -275,7 +281,7 @@ def default_tile(is_fp8: bool, head_dim_pad: int, pairs: int = 0,
     if is_fp8:
         return TILE_FP8
     if BATCH_TILE and pairs and device is not None and pairs >= TILE_16BIT.programs_per_sm * num_sms(device):
-        return TILE_16BIT_BATCH
+        return TILE_16BIT_BATCH if head_dim_pad > 64 else TILE_16BIT_BATCH_NARROW
     return TILE_16BIT
 
 

@@ -92,7 +92,7 @@ def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
     monkeypatch.setattr(da, "BATCH_TILE", True)
     assert da.default_tile(False, 128, 15, cpu) is da.TILE_16BIT
     assert da.default_tile(False, 128, 16, cpu) is da.TILE_16BIT_BATCH
-    assert da.default_tile(False, 64, 512, cpu) is da.TILE_16BIT_BATCH
+    assert da.default_tile(False, 64, 512, cpu) is da.TILE_16BIT_BATCH_NARROW
     assert da.default_tile(True, 128, 512, cpu) is da.TILE_FP8
     assert da.default_tile(False, 256, 512, cpu) is da.TILE_WIDE_HEAD
     assert da.default_tile(False, 128, 0, cpu) is da.TILE_16BIT  # pairs unknown
@@ -110,7 +110,7 @@ def test_decode_batch_tile_matches_reference(batch_tile, device, monkeypatch):
     seq_lens = [1, 17, 64, 65, 130, 3, 40, 77]
     kv, meta = make_batch(seq_lens, [1] * len(seq_lens), 16, 2, 64, torch.bfloat16, device)
     q = torch.randn(len(seq_lens), 4, 64, device=device).to(torch.bfloat16)
-    want = da.TILE_16BIT_BATCH if batch_tile else da.TILE_16BIT
+    want = da.TILE_16BIT_BATCH_NARROW if batch_tile else da.TILE_16BIT
     assert da.default_tile(False, 64, len(seq_lens) * 2, q.device) is want
     out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125)
     ref = paged_attention_torch(q, kv, meta, 0.125)
