@@ -102,11 +102,12 @@ def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
 
 @pytest.mark.parametrize("batch_tile", [False, True])
 def test_decode_batch_tile_matches_reference(batch_tile, device, monkeypatch):
-    """Enough (sequence, KV head) pairs for the batch tile on the CPU's nominal 8 SMs (16+),
-    with and without it: same results as the reference, in bf16 and through the fused rotary."""
+    """Enough (sequence, KV head) pairs for the batch tile on a nominal 8 SMs (16+; the GPU's
+    SM count is patched to that), with and without it: same results as the reference."""
     import engine.kernels.decode_attention as da
 
     monkeypatch.setattr(da, "BATCH_TILE", batch_tile)
+    monkeypatch.setattr(da, "num_sms", lambda _device: 8)
     seq_lens = [1, 17, 64, 65, 130, 3, 40, 77]
     kv, meta = make_batch(seq_lens, [1] * len(seq_lens), 16, 2, 64, torch.bfloat16, device)
     q = torch.randn(len(seq_lens), 4, 64, device=device).to(torch.bfloat16)
