@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from common.metrics import ServiceMetrics
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from kvtransfer import KVLayout, KVSender, SendTransfer, Transfer, TransferError
 from kvtransfer.endpoint import PairEndpoint
@@ -86,8 +86,11 @@ class FakeContext:
 
 
 def _engine():
+    # on the CPU wherever the tests run: on a GPU a prompt this short replays a prefill CUDA
+    # graph, which bypasses the per-layer hook (its layers are exported after the forward,
+    # engine/layer_stream.py), so the overlap this file checks needs the eager forward
     return Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
-                               cache=CacheConfig(num_blocks=32)))
+                               cache=CacheConfig(num_blocks=32), device=DeviceConfig(device="cpu")))
 
 
 def _layout(eng):
