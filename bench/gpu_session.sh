@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 SPLITSERVE_BENCH_DIR=$OUT
 # commit): pass SPLITSERVE_COMMIT=<sha> in the device command to record the right one.
 export SPLITSERVE_COMMIT=${SPLITSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 steps=${*:-tests engine sweep}
-if [ -d .whl ]; then  # service deps the GPU image lacks, carried as wheels (see the device notes)
+if [ -d .whl ]; then  # service deps the GPU image lacks: bash bench/service_wheels.sh, then run with carry [".whl"]
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
