@@ -256,6 +256,9 @@ class DecodeTile:
 # 32-token / 4-warp / ~4-programs-per-SM default at every batch: b=64 ctx2048 153 -> 117 us
 # (3.50 -> 4.58 TB/s), b=32 ctx4096 142 -> 122 us, b=16 ctx1024 30 -> 18 us, b=1 ctx1024
 # 7.4 -> 6.9 us. fp8 and head_dim > 128 keep the earlier (unre-measured) tiles.
+# NOTE: those micro figures came from a benchmark whose cache was [blocks, 2, ...] (K and V
+# reads overlapped, half the bytes from L2); on the engine's layout batch 64 takes 136.9 us
+# with this tile (decode_ab-20261203T151023), and large batches take the batch tiles below.
 TILE_16BIT = DecodeTile(128, 8, 3, False, programs_per_sm=2, min_tiles_per_split=1)
 TILE_FP8 = DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=4)
 TILE_WIDE_HEAD = DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
