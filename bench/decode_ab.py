@@ -6,8 +6,9 @@ and take medians, because re-capturing the same graph moves step times by up to 
                                | --table-ab CANDIDATE.json [--cases ...]]
 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
-prefetch) and split counts on scattered KV blocks (Llama-3.1-8B heads), CUDA-graph timed,
-each output checked against the default's. Engine: whole decode steps replayed as CUDA graphs
+prefetch) and split counts as the step runs the kernel (the engine's cache layout, scattered
+blocks, seq_len ctx + 1, the fused rotary; Llama-3.1-8B heads, --attn-head-dim 64 for 1B),
+CUDA-graph timed, each output of --attn-splits checked against the default's. Engine: whole decode steps replayed as CUDA graphs
 (random bf16 weights), the previous 16-bit attention tile (A) vs the current default (B).
 --fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
@@ -42,6 +43,8 @@ and down +4-6% each, all four +8-9%. Sixth session (--attr-b, 8B batch 1): the r
 on PDL +10% (-T124409), every kernel triggering its dependent late +6% (-T125629), cuts in the
 PDL chain before o_proj / the reduce / qkv +0.2-1.9% (-T132155); small attention tiles at batch
 1 -1.4..+4% (-T124610); rotary fused at 16-64 sequences -1.4..-0.2% (-T130640, shipped).
+Eighth session (8B, medians of 5, -T153107): at batches 4-16 the reduce kernel without PDL
+-0.4..+4.2%, and half the splits (TILE_16BIT programs_per_sm 1) +0.5..+8%.
 """
 from __future__ import annotations
 
