@@ -63,22 +63,24 @@ from bench.timing import copy_bandwidth_gbs, graph_time_ms
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
-def _attn_inputs(batch: int, ctx: int):
+def _attn_inputs(batch: int, ctx: int, device="cuda", hq: int = HQ, hkv: int = HKV, d: int | None = None):
     """A decode step's attention inputs as the engine has them: the engine's per-layer cache
     layout [2, blocks, BS, Hkv, D], `ctx` cached tokens plus the new one (seq_len ctx + 1)
     on scattered blocks, and the fused rotary + KV append (new_kv) the step uses.
     (Before 2026-12-03 this took a [blocks, 2, ...] cache, which the kernel addresses as
     [2, ...]: K and V reads then overlapped in memory, half the bytes came from L2, and b=64
-    ctx=2048 timed 117 us where the engine's layout takes 131.5; attn_gap in the README.)"""
+    ctx=2048 timed 117 us where the engine's layout takes 131.5; attn_gap in the README.
+    tests/kernels/test_bench_attn_inputs.py checks the kernel on these inputs against the reference.)"""
+    d = D if d is None else d
     n = ctx + 1
     nblk = -(-n // BS)
-    cache = torch.randn(2, batch * nblk + 1, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-    bt = torch.randperm(batch * nblk, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, nblk)
-    lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    cos, sin = (torch.randn(n, D // 2, device="cuda") for _ in range(2))
-    idx = torch.full((batch,), n - 1, device="cuda", dtype=torch.int64)
+    cache = torch.randn(2, batch * nblk + 1, BS, hkv, d, device=device, dtype=torch.bfloat16)
+    bt = torch.randperm(batch * nblk, device=device, dtype=torch.int64).to(torch.int32).view(batch, nblk)
+    lens = torch.full((batch,), n, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, hkv, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(n, d // 2, device=device) for _ in range(2))
+    idx = torch.full((batch,), n - 1, device=device, dtype=torch.int64)
     slots = bt[:, (n - 1) // BS].long() * BS + (n - 1) % BS
     return q, cache, bt, lens, (k, v, cos, sin, idx, slots)
 
