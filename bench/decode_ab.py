@@ -8,8 +8,9 @@ and take medians, because re-capturing the same graph moves step times by up to 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
 prefetch) and split counts as the step runs the kernel (the engine's cache layout, scattered
 blocks, seq_len ctx + 1, the fused rotary; Llama-3.1-8B heads, --attn-head-dim 64 for 1B),
-CUDA-graph timed, each output of --attn-splits checked against the default's. Engine: whole decode steps replayed as CUDA graphs
-(random bf16 weights), the previous 16-bit attention tile (A) vs the current default (B).
+CUDA-graph timed, each output of --attn-splits checked against the default's. Engine: whole
+decode steps replayed as CUDA graphs (random bf16 weights), the previous 16-bit attention tile
+(A) vs the current default (B).
 --fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
 table says).
@@ -90,18 +91,18 @@ TILES = [(32, 4, 2, True), (32, 4, 3, True), (64, 4, 2, True), (64, 8, 2, True),
          (64, 4, 2, False), (64, 4, 4, False), (64, 2, 2, False), (32, 2, 2, False), (128, 4, 2, False)]
 
 
-def attention_tiles(cases=((64, 2048), (48, 2048), (128, 1024), (32, 4096))) -> list[dict]:
-    """Tile (block_n, warps, stages, register prefetch) then split count, per case."""
+def attention_tiles(cases=((64, 2048), (48, 2048), (128, 1024), (32, 4096)), d: int = D) -> list[dict]:
+    """Tile (block_n, warps, stages, register prefetch) then split count, per case; head_dim d."""
     rows = []
     for batch, ctx in cases:
-        q, cache, bt, lens, new_kv = _attn_inputs(batch, ctx)
-        nbytes = batch * (ctx + 1) * HKV * D * 2 * 2
+        q, cache, bt, lens, new_kv = _attn_inputs(batch, ctx, d=d)
+        nbytes = batch * (ctx + 1) * HKV * d * 2 * 2
 
         def run(**kw):
-            fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv, **kw)  # noqa: E731
+            fn = lambda: da.paged_decode_attention(q, cache, bt, lens, d ** -0.5, new_kv=new_kv, **kw)  # noqa: E731
             us = graph_time_ms([fn] * 10, iters=20) * 1e3
-            r = {"case": f"attn b={batch} ctx={ctx}" + (f" d={D}" if D != 128 else ""), "cfg": kw, "us": round(us, 2),
-                 "GB/s": round(nbytes / us / 1e3)}
+            r = {"case": f"attn b={batch} ctx={ctx}" + (f" d={d}" if d != D else ""), "cfg": kw,
+                 "us": round(us, 2), "GB/s": round(nbytes / us / 1e3)}
             rows.append(r)
             return r
         base = run()
@@ -121,21 +122,21 @@ SPLIT_CASES = [(1, 1024), (1, 4096), (4, 1024), (8, 1024), (8, 4096), (16, 1024)
 SPLIT_TILES = [(128, 8, 3, False), (64, 4, 3, False), (32, 4, 2, True)]
 
 
-def attention_splits() -> list[dict]:
+def attention_splits(d: int = D) -> list[dict]:
     """Split count per tile for small and mid batches; each tile's output checked against
     the current default's (max abs difference)."""
     rows = []
     for batch, ctx in SPLIT_CASES:
-        q, cache, bt, lens, new_kv = _attn_inputs(batch, ctx)
-        nbytes = batch * (ctx + 1) * HKV * D * 2 * 2
-        ref = da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv).float()
-        base = graph_time_ms([lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv)]
+        q, cache, bt, lens, new_kv = _attn_inputs(batch, ctx, d=d)
+        nbytes = batch * (ctx + 1) * HKV * d * 2 * 2
+        ref = da.paged_decode_attention(q, cache, bt, lens, d ** -0.5, new_kv=new_kv).float()
+        base = graph_time_ms([lambda: da.paged_decode_attention(q, cache, bt, lens, d ** -0.5, new_kv=new_kv)]
                              * 10, iters=20) * 1e3
         best = (base, "default")
         for bn, nw, ns, pf in SPLIT_TILES:
             for sp in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
                 kw = dict(block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf, num_splits=sp)
-                fn = lambda: da.paged_decode_attention(q, cache, bt, lens, D ** -0.5, new_kv=new_kv, **kw)  # noqa: E731
+                fn = lambda: da.paged_decode_attention(q, cache, bt, lens, d ** -0.5, new_kv=new_kv, **kw)  # noqa: E731
                 err = (fn().float() - ref).abs().max().item()
                 us = graph_time_ms([fn] * 10, iters=20) * 1e3
                 rows.append({"case": f"attn b={batch} ctx={ctx}", "cfg": kw, "us": round(us, 2),
@@ -308,11 +309,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    global D
-    D = a.attn_head_dim
     attn_cases = [tuple(int(v) for v in c.split(":")) for c in a.attn_cases.split(",")]
-    trows = attention_tiles(attn_cases) if a.attn_tiles else []
-    trows += attention_splits() if a.attn_splits else []
+    trows = attention_tiles(attn_cases, a.attn_head_dim) if a.attn_tiles else []
+    trows += attention_splits(a.attn_head_dim) if a.attn_splits else []
     erows = []
     for shape in a.shapes.split(","):
         if shape:
@@ -344,7 +343,7 @@ def main() -> None:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab,
                                       "table_ab": a.table_ab, "tile_b": a.tile_b, "attr_b": a.attr_b, "attn_cost": a.attn_cost,
-                                      "cases": a.cases if a.table_ab or a.tile_b or a.attr_b or a.attn_cost else None, "copy_gbs": round(bw, 1), "attn_head_dim": D,
+                                      "cases": a.cases if a.table_ab or a.tile_b or a.attr_b or a.attn_cost else None, "copy_gbs": round(bw, 1), "attn_head_dim": a.attn_head_dim,
                                       "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)
