@@ -30,16 +30,11 @@ LOG2E = 1.4426950408889634
 # A/Bs, bench.decode_ab --attr-b; False launches that kernel without it, a cut in the chain)
 PDL_SPLIT = True
 PDL_REDUCE = True
-# With the fused rotary (new_kv): the split's first K/V tile loaded before the PDL wait, the new
-# token's row patched in from registers. Off: no whole-step gain on the H200, neither in an
-# earlier form (decode_ab-20261203T074351: 8B batch 1 -0.5% / +1.7%) nor with room for an
-# attention program beside the qkv slab (decode_ab-20261203T141050, 8B batch 1, ctx 1024 /
-# 4096, medians of 5: alone +0.8% / +1.8%; with a 32-token 4-warp tile -0.7% / +1.4%; plus the
-# qkv slab at 3 programs per SM -1.1% / +1.5%). Tried and reverted on 2026-12-03: the splits
+# Tried on the H200 and removed (README, 2026-12-03): with the fused rotary, the split's first
+# K/V tile loaded before the PDL wait and the new token's row patched in from registers (no
+# whole-step gain, decode_ab-20261203T074351 and -T141050: 8B batch 1 -1.1..+1.8%); the splits
 # merged by the last-arriving split program instead of the reduce kernel (+6% at 8B batch 1,
-# decode_ab-20261203T143034), and an L2 prefetch of o_proj's weight by the split programs
-# (+0.2-1.9%, decode_ab-20261203T142232; README).
-EARLY_KV = False
+# -T143034); an L2 prefetch of o_proj's weight by the split programs (+0.2-1.9%, -T142232).
 
 
 @triton.jit
@@ -91,8 +86,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
-                         EARLY_KV: tl.constexpr):
+                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
@@ -100,8 +94,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         # waits for this grid's completion before reading the attention output.
         if PDL == 1:
             gdc_launch_dependents()
-        if not EARLY_KV:
-            gdc_wait()
+        gdc_wait()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,16 +114,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     k_base = cache_ptr + kvh * stride_c_h
     v_base = k_base + stride_c_kv
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    if EARLY_KV:
-        # (ROPE only) the split's first K/V tile is requested before the grid-dependency
-        # wait, so its DRAM round trip overlaps the previous kernel: seq_lens and the block
-        # table are staged before the step's first PDL kernel and the cached context was
-        # written by earlier steps; only the new token's row is written after this load (by
-        # this kernel, below), so it is patched in from registers.
-        offs_n0 = start + tl.arange(0, BLOCK_N)
-        k0, v0 = _load_kv_tile(k_base, v_base, bt_row, offs_n0, end, offs_d, d_mask, stride_c_slot, BS)
-        if PDL:
-            gdc_wait()
     if ROPE:
         # fused rotary + KV append (16-bit caches, D == D_PAD): q and the new token's k are
         # rotated here from the un-rotated qkv; the split holding the new position writes
@@ -149,10 +132,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
             dst = cache_ptr + slot * stride_c_slot + kvh * stride_c_h + offs_d[None, :]
             tl.store(dst, new_k)
             tl.store(dst + stride_c_kv, new_v)
-            if EARLY_KV:
-                patch = (offs_n0 == last)[:, None]
-                k0 = tl.where(patch, new_k, k0)
-                v0 = tl.where(patch, new_v, v0)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -169,16 +148,11 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    loop_start = start
-    if EARLY_KV:
-        if start < end:
-            m_i, l_i, acc = _attend_tile(q, k0, v0, offs_n0 < end, m_i, l_i, acc, qk_scale, PREC)
-        loop_start = start + BLOCK_N
     if PREFETCH:
         # manual register double buffering: tile i+1's loads are issued before tile i's math
-        offs_n = loop_start + tl.arange(0, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
         k, v = _load_kv_tile(k_base, v_base, bt_row, offs_n, end, offs_d, d_mask, stride_c_slot, BS)
-    for n0 in range(loop_start, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         if PREFETCH:
             offs_nx = offs_n + BLOCK_N
             k_nx, v_nx = _load_kv_tile(k_base, v_base, bt_row, offs_nx, end, offs_d, d_mask,
@@ -358,7 +332,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
-        EARLY_KV=EARLY_KV and rope is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl_split))
     if num_splits > 1:
         _decode_reduce_kernel[(S, Hq)](

@@ -22,7 +22,7 @@ I32_PTRS = {"lock_ptr", "bt_ptr", "seq_lens_ptr", "idx_ptr", "slot_ptr", "qsl_pt
 F32_PTRS = {"ws_ptr", "ssq_ws_ptr", "part_o_ptr", "part_lse_ptr", "cos_ptr", "sin_ptr",
             "k_scale_ptr", "v_scale_ptr"}
 SPLIT = dict(G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=128, DIRECT=False, IS_FP8=False,
-             PREC=None, UPCAST=False, PREFETCH=False, ROPE=True, EARLY_KV=False)
+             PREC=None, UPCAST=False, PREFETCH=False, ROPE=True)
 SKINNY = dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=4096, SPLIT_K=1, PREFETCH_X=False, ONE_CHUNK=True,
               NORM=False, SILU=True, RESID=False, HAS_BIAS=False, USE_DOT=False, EVEN_K=True,
               EVEN_N=True, PREC=None, UPCAST=False)
@@ -32,7 +32,8 @@ ROPE_KV = dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, IS_FP8
 # (module, kernel, constexprs, num_warps, num_stages, pointer dtype overrides)
 VARIANTS = [
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1), 8, 3, {}),
-    ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, EARLY_KV=True, BLOCK_N=32), 4, 1, {}),
+    # the batch tile (TILE_16BIT_BATCH): 64-token tiles on 4 warps, no split
+    ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, BLOCK_N=64, DIRECT=True), 4, 2, {}),
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=2, ROPE=False), 8, 3, {}),
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=0, ROPE=False, IS_FP8=True, BLOCK_N=64),
      4, 2, {"cache_ptr": "*fp8e4nv"}),
@@ -84,7 +85,7 @@ def compile_variant(module: str, kernel: str, constexprs: dict, warps: int, stag
     fn = getattr(importlib.import_module(f"engine.kernels.{module}"), kernel)
     sig, attrs = _signature(fn, constexprs, overrides)
     row = {"kernel": kernel, "variant": {k: v for k, v in constexprs.items()
-                                         if k in ("PDL", "ROPE", "EARLY_KV", "USE_DOT", "IS_FP8", "SPLIT_K")}}
+                                         if k in ("PDL", "ROPE", "USE_DOT", "IS_FP8", "SPLIT_K")}}
     try:
         k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=warps, num_stages=stages))

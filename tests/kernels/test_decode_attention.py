@@ -157,43 +157,6 @@ def test_fused_rope_append_matches_two_kernels(dtype, hkv, gqa, num_splits, pref
     assert torch.count_nonzero(got[3]) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits,block_n,prefetch", [(1, None, False), (3, 16, False), (1, 16, True),
-                                                         (2, 32, False)])
-def test_early_kv_is_bit_identical(dtype, num_splits, block_n, prefetch, device, monkeypatch):
-    """EARLY_KV (first K/V tile loaded before the PDL wait, the new token's row patched in
-    from registers) gives the fused kernel's values bit for bit, whether the new token falls
-    in a split's first tile or a later one; the cache's stale content at the new slot would
-    show a missing patch."""
-    from engine.kernels import decode_attention as da
-
-    g = torch.Generator().manual_seed(num_splits * 10 + (block_n or 0))
-    d, bs, S, hkv, hq = 32, 16, 4, 2, 8
-    lens = torch.tensor([37, 1, 16, 0], dtype=torch.int32)
-    nblk = 4
-    cache = torch.randn(2, S * nblk + 1, bs, hkv, d, generator=g).to(dtype).to(device)
-    bt = torch.randperm(S * nblk, generator=g).view(S, nblk).to(torch.int32).to(device)
-    pos = (lens - 1).clamp(min=0)
-    slots = torch.tensor([int(bt[i, p // bs]) * bs + int(p) % bs for i, p in enumerate(pos.tolist())])
-    slots[3] = -1
-    q = torch.randn(S, hq, d, generator=g).to(dtype).to(device)
-    k = torch.randn(S, hkv, d, generator=g).to(dtype).to(device)
-    v = torch.randn(S, hkv, d, generator=g).to(dtype).to(device)
-    f = pos.float()[:, None] * (1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d))[None, :]
-    new_kv = (k, v, f.cos().to(device), f.sin().to(device), torch.arange(S, device=device), slots.to(device))
-    lens = lens.to(device)
-    outs, caches = [], []
-    for early in (False, True):
-        monkeypatch.setattr(da, "EARLY_KV", early)
-        c = cache.clone()
-        outs.append(da.paged_decode_attention(q, c, bt, lens, d ** -0.5, num_splits=num_splits,
-                                              block_n=block_n, prefetch=prefetch, new_kv=new_kv))
-        caches.append(c)
-    assert torch.equal(caches[0], caches[1])
-    assert torch.equal(outs[0], outs[1])
-    assert not torch.equal(caches[0], cache)  # the new rows were written (and differ from stale)
-
-
 def test_fused_rope_append_rejects_bad_shapes(device):
     q = torch.zeros(2, 4, 32, device=device)
     cache = torch.zeros(2, 4, 16, 2, 32, device=device)
