@@ -14,7 +14,8 @@ decode steps replayed as CUDA graphs (random bf16 weights), the previous 16-bit 
 --fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
 table says).
---tile-b: whole decode steps, the default 16-bit decode attention tile (A) vs each given tile.
+--tile-b: whole decode steps, the default 16-bit decode attention tile (A) vs each given tile
+(the batch tiles off on both sides).
 --attr-b: whole decode steps, a module-level switch at its current value (A) vs the given one
 (B), e.g. --attr-b "engine.kernels.rmsnorm.PDL=False"; SPECS separated by ';' are separate
 A/Bs, and one spec may set several attributes joined by '&' (a candidate skinny table with
@@ -159,16 +160,19 @@ def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="at
                    cases=((1, 1024), (8, 1024), (16, 1024), (32, 1024), (64, 1024), (64, 2048))
                    ) -> list[dict]:
     """Whole decode steps: the 16-bit decode attention tile tile_a (default: the tile before
-    2026-12-03) vs tile_b (default: the current one)."""
-    new = da.TILE_16BIT
+    2026-12-03) vs tile_b (default: the current one), at every batch: the batch tiles are off
+    on both sides, else batches that fill the default tile's wave would run the same tile."""
+    new, batch_tile = da.TILE_16BIT, da.BATCH_TILE
 
     def tile(t):
-        return lambda _eng: setattr(da, "TILE_16BIT", t)
+        def use(_eng):
+            da.TILE_16BIT, da.BATCH_TILE = t, False
+        return use
 
     try:
         return _ab(shape, name, cases, tile(tile_a), tile(tile_b or new), reps)
     finally:
-        da.TILE_16BIT = new
+        da.TILE_16BIT, da.BATCH_TILE = new, batch_tile
 
 
 def parse_tile(spec: str) -> da.DecodeTile:

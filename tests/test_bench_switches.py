@@ -33,3 +33,25 @@ def test_parse_attrs_replaces_dataclass_fields():
 def test_parse_attrs_rejects_bad_specs(spec):
     with pytest.raises(SystemExit):
         parse_attrs(spec)
+
+
+def test_tile_ab_runs_its_tiles_at_every_batch(monkeypatch):
+    """decode_ab's tile A/B turns the batch tiles off on both sides (else large batches would
+    run the same tile on A and B), and puts the module back afterwards."""
+    import bench.decode_ab as ab
+    from engine.kernels import decode_attention as da
+
+    seen = []
+
+    def fake_ab(shape, name, cases, set_a, set_b, reps):
+        for setter in (set_a, set_b):
+            setter(None)
+            seen.append((da.TILE_16BIT, da.BATCH_TILE))
+        return []
+
+    monkeypatch.setattr(ab, "_ab", fake_ab)
+    before = (da.TILE_16BIT, da.BATCH_TILE)
+    tile_b = da.DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=1)
+    ab.engine_tile_ab("llama-3.1-8b", 1, tile_b=tile_b)
+    assert seen == [(ab.OLD_TILE, False), (tile_b, False)]
+    assert (da.TILE_16BIT, da.BATCH_TILE) == before
