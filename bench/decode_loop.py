@@ -1,0 +1,165 @@
+"""Where a decode step's wall time goes outside the GPU kernels: the serving loop's host work.
+
+    python -m bench.decode_loop [--cases llama-3.1-8b:1:1024,llama-3.2-1b:1:1024] [--steps 48]
+
+Per case (random bf16 weights of the shape, CUDA graphs on), all times per decode step:
+  replay_ms     graph replay alone (inputs staged and uploaded beforehand), CUDA events
+  run_rows_ms   staging on the host + one upload + replay, CUDA events around each step: what
+                bench.engine_gpu reports as the decode step (the GPU waits while the host stages)
+  pipelined_ms  run_rows called `--steps` times back to back, one sync at the end: the host
+                stages step i+1 while the GPU runs step i
+  stage_us      host time of the staging alone (numpy into the pinned mirror)
+  engine_ms     Engine.step() in a real generation (`batch` requests of `ctx` prompt tokens,
+                greedy, ignore_eos): the serving loop's time per decode step (TPOT), with its
+                phases' host time: schedule, sampling batch, runner.execute (stage + upload +
+                replay + sampler, which waits for the GPU), scheduler update + outputs.
+Prints a table and writes bench/results/decode_loop-*.json.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import logging
+import statistics
+import time
+
+import torch
+
+from bench.common import print_table, write_result
+from bench.engine_gpu_steps import decode_inputs, make_engine
+from bench.timing import cuda_time_ms
+from engine.runner import StepInput
+from engine.sampling_params import SamplingParams
+
+
+def _host_us(fn, iters: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def _graph_rows(eng, batch: int, ctx: int) -> dict:
+    r = eng.runner
+    g = r.graphs
+    ids, _, meta = decode_inputs(eng, batch, ctx)
+    bt = meta.block_tables.tolist()
+    rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
+    for _ in range(30):
+        g.run_rows(rows)
+    out = {"run_rows_ms": cuda_time_ms(lambda: g.run_rows(rows), iters=50)}
+    b = g.bucket_for(batch)
+    g.staging.stage(rows, g.block_size, b, b)
+    g.staging.upload(b)
+    out["replay_ms"] = cuda_time_ms(g.graphs[b].replay, iters=50)
+    n = 20
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        g.run_rows(rows)
+    torch.cuda.synchronize()
+    out["pipelined_ms"] = (time.perf_counter() - t) * 1e3 / n
+    out["stage_us"] = _host_us(lambda: g.staging.stage(rows, g.block_size, b, b))
+    return out
+
+
+class _Phases:
+    """Host time per call of a few engine methods, wrapped in place for one generation."""
+
+    def __init__(self):
+        self.t: dict[str, list[float]] = {}
+        self._undo = []
+
+    def wrap(self, obj, attr: str, name: str):
+        fn = getattr(obj, attr)
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t.setdefault(name, []).append(time.perf_counter() - t)
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr, fn))
+
+    def restore(self):
+        for obj, attr, fn in reversed(self._undo):
+            setattr(obj, attr, fn)
+
+
+def _engine_loop(eng, batch: int, ctx: int, steps: int) -> dict:
+    """A real generation through Engine.step(): per decode step wall time and phases."""
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(0, eng.arch.vocab_size, (ctx,), generator=gen).tolist()
+        eng.add_request(f"loop{i}", prompt, params)
+    while not all(eng.requests[f"loop{i}"].output_token_ids for i in range(batch)):
+        eng.step()  # the prompts (prefill); each request holds its first token after it
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    ph = _Phases()
+    ph.wrap(eng.scheduler, "schedule", "schedule")
+    ph.wrap(eng.runner, "sampling_batch", "sampling_batch")
+    ph.wrap(eng.runner, "execute", "execute")
+    if eng.runner.graphs is not None:
+        ph.wrap(eng.runner.graphs, "run_rows", "run_rows")
+    ph.wrap(eng.runner, "sampler", "sampler")
+    ph.wrap(eng.scheduler, "update", "update")
+    walls = []
+    try:
+        while eng.has_unfinished():
+            t = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t)
+    finally:
+        ph.restore()
+    skip = min(4, len(walls) // 4)  # the first steps settle (allocator, clocks)
+    out = {"engine_ms": statistics.median(walls[skip:]) * 1e3, "engine_steps": len(walls)}
+    for name, ts in ph.t.items():
+        out[f"{name}_us"] = round(statistics.median(ts[skip:] or ts) * 1e6, 1)
+    return out
+
+
+@torch.inference_mode()
+def run_case(shape: str, batch: int, ctx: int, steps: int) -> dict:
+    eng = make_engine(shape, batch, ctx + steps + 32, eager=False,
+                      num_blocks=batch * (-(-(ctx + steps + 32) // 16)) + 8)
+    try:
+        row = {"case": f"{shape} b={batch} ctx={ctx}"}
+        row.update(_graph_rows(eng, batch, ctx))
+        row.update(_engine_loop(eng, batch, ctx, steps))
+        row["host_share"] = round(1 - row["replay_ms"] / row["engine_ms"], 3)
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+    finally:
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="llama-3.1-8b:1:1024,llama-3.2-1b:1:1024")
+    ap.add_argument("--steps", type=int, default=48)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    for spec in a.cases.split(","):
+        shape, b, c = spec.split(":")
+        rows.append(run_case(shape, int(b), int(c), a.steps))
+        print(rows[-1], flush=True)
+    cols = ["case", "replay_ms", "run_rows_ms", "pipelined_ms", "stage_us", "engine_ms", "host_share",
+            "schedule_us", "sampling_batch_us", "execute_us", "run_rows_us", "sampler_us", "update_us"]
+    print_table(rows, cols)
+    print("wrote", write_result("decode_loop", {"cases": a.cases, "steps": a.steps, "dtype": "bf16"},
+                                {"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
