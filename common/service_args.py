@@ -61,6 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode batches up to this size use the fused skinny-GEMM Triton kernels "
                         "(CUDA); larger ones cuBLAS; 0 disables (default: the tuned table of "
                         "the GPU, engine/kernels/configs)")
+    g.add_argument("--async-scheduling", choices=("auto", "on", "off"),
+                   default=env_str("SPLITSERVE_ASYNC_SCHEDULING", "auto"),
+                   help="overlapped decode: launch the next decode step before the current "
+                        "step's tokens reach the host, hiding the host's per-step work "
+                        "(engine/overlap.py); auto: on for CUDA, off on CPU")
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--cpu-threads", type=int, default=env_int("SPLITSERVE_CPU_THREADS"),
                    help="CPU intra-op threads for this engine (default on CPU: half the cores, "
@@ -141,7 +146,9 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                               kv_cache_bytes=a.kv_cache_bytes, num_blocks=a.num_blocks,
                               enable_prefix_caching=prefix_caching and not a.no_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
-                                      max_num_batched_tokens=a.max_num_batched_tokens),
+                                      max_num_batched_tokens=a.max_num_batched_tokens,
+                                      async_scheduling={"on": True, "off": False}.get(
+                                          getattr(a, "async_scheduling", "auto"))),
             device=DeviceConfig(device=device, enforce_eager=a.enforce_eager,
                                 attention_backend=a.attention_backend,
                                 cuda_graph_max_batch=a.cuda_graph_max_batch,

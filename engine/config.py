@@ -65,6 +65,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # A prompt chunk never exceeds this many tokens (<= max_num_batched_tokens).
     long_prefill_token_threshold: int | None = None
+    # Overlapped decode (engine/overlap.py): launch the next decode step before the current
+    # step's tokens reach the host. None: on for CUDA devices, off on CPU (nothing overlaps).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

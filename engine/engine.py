@@ -23,6 +23,7 @@ from engine.layer_stream import LayerExport, LayerStreamer
 from engine.layers.attention_select import get_attention_backend
 from engine.loader import load_model
 from engine.models.llama import CausalLM
+from engine.overlap import Launched, TokenReadback, can_follow, can_overlap, follow
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, StepInput, resolve_dtype
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -85,6 +86,13 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_generated = 0
+        # overlapped decode (engine/overlap.py): on by default where it overlaps (CUDA)
+        ov = cfg.scheduler.async_scheduling
+        self.overlap = (device.startswith("cuda")) if ov is None else bool(ov)
+        self._readback = TokenReadback(cfg.scheduler.max_num_seqs, torch.device(device))
+        self._inflight: Launched | None = None
+        self._seq = 0
+        self.num_overlapped_steps = 0
         log.info("engine ready: model=%s device=%s dtype=%s attention=%s blocks=%d load=%.1fs",
                  self.model_name, device, str(dtype).removeprefix("torch."), self.attn_backend.name,
                  nb, time.perf_counter() - t0)
@@ -128,17 +136,37 @@ class Engine:
         self.layer_streamer.unregister(request_id)
 
     def has_unfinished(self) -> bool:
-        return any(not r.finished for r in self.requests.values())
+        # a step still in flight must be completed (its blocks released) even when every
+        # request in it has ended
+        return self._inflight is not None or any(not r.finished for r in self.requests.values())
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        """One model step's outputs. With overlapped decode (engine/overlap.py) the step after
+        it may already be on the device when this returns."""
+        cur, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
-        for req in getattr(sched, "failed", []) or []:
-            outputs.append(self._finish_error(req, getattr(req, "error", None)
-                                              or "request cannot fit in the KV cache"))
-        if not sched.scheduled:
-            return outputs
+        if cur is None:
+            sched = self.scheduler.schedule()
+            for req in getattr(sched, "failed", []) or []:
+                outputs.append(self._finish_error(req, getattr(req, "error", None)
+                                                  or "request cannot fit in the KV cache"))
+            if not sched.scheduled:
+                return outputs
+            cur = self._launch(sched)
+        if self.overlap and can_follow(cur, self.scheduler):
+            nxt, rows = follow(cur, self.scheduler, self._next_seq())
+            self._launch_decode(nxt, rows, token_src=cur.tokens)
+            self._inflight = nxt
+            self.num_overlapped_steps += 1
+        outputs += self._complete(cur)
+        return outputs
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _launch(self, sched) -> Launched:
         rows, sample_reqs = [], []
         for s in sched.scheduled:
             r = s.req
@@ -148,30 +176,63 @@ class Engine:
             if s.sample:
                 sample_reqs.append(r)
         batch = self.runner.sampling_batch(sample_reqs) if sample_reqs else None
+        launched = Launched(sched, sample_reqs, batch, self._next_seq())
+        decode_only = all(len(r.token_ids) == 1 and r.sample for r in rows)
+        if self.overlap and decode_only and can_overlap(sample_reqs, batch):
+            self._launch_decode(launched, rows)
+            return launched
         streamed = [(s.req.request_id, rows[i].block_ids, s.req.num_prompt_tokens)
                     for i, s in enumerate(sched.scheduled)
                     if s.sample and s.req.prefill_only and s.req.request_id in self.layer_streamer.callbacks]
         hook = self.layer_streamer.begin_step(streamed) if streamed else None
         self.runner.model.layer_hook = hook
         try:
-            out, _ = self.runner.execute(rows, batch)
+            launched.out, _ = self.runner.execute(rows, batch)
         finally:
             self.runner.model.layer_hook = None
         if hook is not None:
             self.layer_streamer.end_step()
+        return launched
+
+    def _launch_decode(self, launched: Launched, rows, token_src=None) -> None:
+        """An overlapped decode step: run and sample on the device, start the tokens' copy to
+        the host; blocks freed from now on wait until this step is known complete."""
+        launched.tokens = self.runner.launch_decode(rows, launched.batch, token_src)
+        self._readback.start(launched)
+        self.kv.fence = launched.seq
+
+    def _complete(self, launched: Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; update the scheduler; its outputs."""
+        out = launched.result()
+        if launched.overlapped:
+            self.runner.step_times.append(time.perf_counter() - launched.t0)
+            del self.runner.step_times[:-64]
+            # every step up to this one has completed on the device
+            self.kv.release_deferred(launched.seq)
+            if self._inflight is None:
+                self.kv.fence = 0
+        sample_reqs = launched.sample_reqs
+        # requests that ended while the step was in flight (abort, a stop string, or a stop
+        # on the previous step's token): their row was computed blindly; no output
+        live = {r.request_id for r in sample_reqs if not r.finished}
         sampled: dict[str, int] = {}
         if out is not None:
             for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
+                if r.request_id not in live:
+                    continue
                 sampled[r.request_id] = tok
                 if r.params.logprobs is not None:
                     r.output_logprobs.append(lp)
                 if r.first_token_time is None:
                     r.first_token_time = time.monotonic()
-        finished = {r.request_id for r in self.scheduler.update(sched, sampled)}
+        finished = {r.request_id for r in self.scheduler.update(launched.sched, sampled)}
         self.num_steps += 1
         self.num_generated += len(sampled)
+        outputs = []
         for r in sample_reqs:
             rid = r.request_id
+            if rid not in live:
+                continue
             done = rid in finished or r.finished
             outputs.append(RequestOutput(
                 rid, [sampled[rid]], finished=done,
@@ -317,6 +378,7 @@ class Engine:
             "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "recent_step_ms": [round(t * 1e3, 3) for t in st[-16:]],
             "num_steps": self.num_steps, "num_generated_tokens": self.num_generated,
+            "num_overlapped_steps": self.num_overlapped_steps,
             **kvs,
             **self.runner.graph_metrics(),
         }

@@ -19,7 +19,8 @@ def build_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, seed=a.seed),
         cache=CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                           enable_prefix_caching=not a.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                                  async_scheduling={"on": True, "off": False}.get(a.async_scheduling)),
         device=DeviceConfig(device=a.device, enforce_eager=a.enforce_eager,
                             attention_backend=a.attention_backend, cpu_threads=a.cpu_threads,
                             cuda_graph_max_batch=a.cuda_graph_max_batch,
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="overlapped decode (engine/overlap.py); auto: on for CUDA")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="largest decode batch replayed through a CUDA graph")
     p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=2048,

@@ -35,6 +35,13 @@ class KVCacheManager:
         self._pending_stats: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Overlapped decode (engine/engine.py): while launched steps may still run on the
+        # device, `fence` is the sequence number of the last one and freed blocks wait in
+        # `_deferred` until that step is known complete (release_deferred): a still-running
+        # step may write the KV of a request that has just finished into them, and a block
+        # must not be handed to a new owner (a KV import from another process) before that.
+        self.fence = 0  # 0: nothing in flight, frees return blocks at once
+        self._deferred: list[tuple[int, list[int]]] = []
 
     # ---- sizes ----------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -176,7 +183,25 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table:
-            self.pool.release(table[::-1])  # tail first: evicted before the shared head
+            if self.fence:
+                self._deferred.append((self.fence, table[::-1]))
+            else:
+                self.pool.release(table[::-1])  # tail first: evicted before the shared head
+
+    def release_deferred(self, done: int | None = None) -> None:
+        """Return the blocks freed while steps up to sequence number `done` were in flight
+        (None: every deferred block; nothing runs any more)."""
+        keep = []
+        for fence, blocks in self._deferred:
+            if done is None or fence <= done:
+                self.pool.release(blocks)
+            else:
+                keep.append((fence, blocks))
+        self._deferred = keep
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        return sum(len(b) for _, b in self._deferred)
 
     # ---- introspection --------------------------------------------------------------
     def stats(self) -> dict:

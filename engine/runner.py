@@ -235,6 +235,22 @@ class ModelRunner:
         out = self.sampler(logits, sampling) if logits is not None else None
         return self._done(t0, out, logits)
 
+    @torch.inference_mode()
+    def launch_decode(self, rows: list[StepInput], sampling: SamplingBatch,
+                      token_src: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode-only step (every row one token, sampled) run and sampled on the device
+        without waiting for it: returns the token ids [n] as a device tensor (no logprobs).
+        token_src: the input token ids as a device tensor [n] instead of the rows' (the
+        previous step's tokens, still on the device: engine/engine.py's overlapped decode)."""
+        logits = self.graphs.run_rows(rows, token_src) if self.graphs is not None else None
+        if logits is None:
+            input_ids, positions, meta, logits_idx = self.build_metadata(rows)
+            if token_src is not None:
+                input_ids = token_src[:len(rows)]
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
+            logits = self.model.compute_logits(hidden)  # one sampled token per row
+        return self.sampler.tokens(logits, sampling)
+
     def _replay(self, rows: list[StepInput]):
         """-> (logits of the sampled rows from a graph replay, or None: run eager;
         the eager inputs when they were built on the way, else None)."""

@@ -76,6 +76,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tenso
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits.float()
+        tokens = self.tokens(raw, batch)
+        return SamplerOutput(tokens.tolist(), self._logprobs(raw, tokens, batch))
+
+    def tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled token ids [N] as a device tensor, without waiting for the device (no
+        logprobs): what __call__ returns as a list."""
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {batch.num_rows} rows")
         if logits.shape[1] != batch.vocab_size:
@@ -88,11 +95,8 @@ class Sampler:
         x = apply_penalties(x, batch)
         greedy_tok = x.argmax(dim=-1)
         if batch.all_greedy:
-            tokens = greedy_tok
-        else:
-            tokens = torch.where(batch.greedy, greedy_tok, self._sample(x, batch))
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw, tokens, batch))
+            return greedy_tok
+        return torch.where(batch.greedy, greedy_tok, self._sample(x, batch))
 
     def _sample(self, x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         x = x / b.temperature.unsqueeze(1)

@@ -1,0 +1,128 @@
+"""Overlapped decode ("async scheduling"): the next decode step is launched before the
+current step's tokens reach the host, so the host's work between two steps (reading the
+tokens, scheduler update, outputs, staging and launching the next step) runs while the GPU
+computes instead of leaving it idle.
+
+    step k:   launch S_k ------------------------------+
+              can S_k be followed blindly? -> launch S_k+1 with S_k's tokens as its
+                                                input ids, copied on the device
+              wait for S_k's tokens (pinned copy + event, not a stream sync), update,
+              outputs of S_k
+    step k+1: (S_k+1 already in flight) launch S_k+2 ..., outputs of S_k+1
+
+A step may follow blindly (`can_follow`) only when it would have been scheduled exactly so:
+the previous step was a decode-only step of the running requests, nothing waits, no request
+can end by length or needs state the unknown token changes (penalties, min_tokens bans,
+seeded sampling, logprobs), and the cache has the blocks for one more token of each
+(no preemption). Otherwise the engine waits and schedules normally. A request that stops on
+the token the host has not seen yet (eos, stop token, stop string, abort) has one wasted row
+in the step already launched; its output is dropped, and its blocks are freed only after
+that step completed (KVCacheManager.fence): a KV import from another process must not land
+in a block a running step still writes.
+
+Seen on an H200 (bench/decode_loop.py): the host work between two decode steps is ~200 us per
+step at batch 1 (graph staging and launch ~90 us, sampler launch and readback, scheduler,
+outputs): 5% of an 8B step, 20% of a 1B step, which the overlap hides.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.layers.sampler import SamplerOutput, SamplingBatch
+from engine.request import Request
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+
+
+@dataclass
+class Launched:
+    """One step on its way: its schedule, and its sampled tokens (a synchronous step's
+    SamplerOutput, or an overlapped step's device tensor with its host copy in flight)."""
+    sched: SchedulerOutput
+    sample_reqs: list[Request]
+    batch: SamplingBatch | None
+    seq: int
+    t0: float = field(default_factory=time.perf_counter)
+    out: SamplerOutput | None = None
+    tokens: torch.Tensor | None = None  # device token ids, one per sampled row
+    host: torch.Tensor | None = None  # their host copy (pinned on CUDA)
+    event: torch.cuda.Event | None = None  # recorded after the copy
+
+    @property
+    def overlapped(self) -> bool:
+        return self.tokens is not None
+
+    def result(self) -> SamplerOutput | None:
+        """The sampled tokens; waits for this step (and nothing launched after it)."""
+        if self.tokens is not None and self.out is None:
+            if self.event is not None:
+                self.event.synchronize()
+            n = len(self.sample_reqs)
+            self.out = SamplerOutput(self.host[:n].tolist(), [None] * n)
+        return self.out
+
+
+class TokenReadback:
+    """Host copies of overlapped steps' tokens: two pinned buffers used in turn (at most two
+    steps are in flight, and a step's copy is read before the step after next is launched)."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        cuda = torch.device(device).type == "cuda"
+        self._bufs = [torch.empty(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._cuda = cuda
+
+    def start(self, launched: Launched) -> None:
+        n = launched.tokens.shape[0]
+        host = self._bufs[launched.seq % 2]
+        host[:n].copy_(launched.tokens, non_blocking=self._cuda)
+        launched.host = host
+        if self._cuda:
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+
+
+def can_overlap(sample_reqs: list[Request], batch: SamplingBatch | None) -> bool:
+    """Whether a decode-only step of these requests may run overlapped (its tokens read back
+    later, no logprobs): the sampler needs nothing from the host after launch."""
+    return batch is not None and all(r.params.logprobs is None and not r.prefill_only
+                                     for r in sample_reqs)
+
+
+def can_follow(prev: Launched, sched: Scheduler) -> bool:
+    """Whether the step after `prev` may be launched before prev's tokens are known: it
+    would be scheduled exactly as `follow` builds it (see the module docstring)."""
+    if not prev.overlapped or sched.waiting or sched.running != prev.sample_reqs:
+        return False
+    if any(s.num_tokens != 1 or not s.sample for s in prev.sched.scheduled):
+        return False
+    kv = sched.kv
+    need = 0
+    for r in prev.sample_reqs:
+        p = r.params
+        n_out = len(r.output_token_ids)  # prev's token not yet among them
+        if (r.finished or r.prefill_only or n_out + 1 >= p.max_tokens
+                or r.num_tokens + 1 >= sched.max_len or n_out < p.min_tokens
+                or p.needs_penalties or p.logprobs is not None
+                or (p.seed is not None and p.temperature != 0.0)):
+            return False
+        # prev computes position num_computed; the next step the one after it
+        need += max(0, kv.blocks_for(r.num_computed_tokens + 2) - len(kv.block_ids(r.request_id)))
+    return need <= kv.num_free_blocks
+
+
+def follow(prev: Launched, sched: Scheduler, seq: int):
+    """The step after `prev` (can_follow said yes): its schedule and runner rows, the blocks
+    for one more token of each request taken now. Input tokens are placeholders: the runner
+    takes them from prev's device tensor."""
+    from engine.runner import StepInput
+
+    rows = []
+    for r in prev.sample_reqs:
+        if not sched.kv.allocate(r, 2):  # covers num_computed + 2 tokens
+            raise RuntimeError(f"overlapped decode: no block for request {r.request_id!r}")
+        rows.append(StepInput(r.request_id, [0], r.num_computed_tokens + 1,
+                              sched.kv.block_ids(r.request_id), True))
+    out = SchedulerOutput([ScheduledSeq(r, 1, True) for r in prev.sample_reqs])
+    return Launched(out, list(prev.sample_reqs), prev.batch, seq), rows

@@ -1,0 +1,174 @@
+"""Overlapped decode (engine/overlap.py): the next decode step launched before the current
+step's tokens are on the host. On CPU nothing overlaps in time, but the same logic runs
+(async_scheduling=True), so every case compares it with the synchronous engine: the same
+tokens, stops, aborts, arrivals and preemptions, no lost output and no leaked block."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+
+def _engine(overlap: bool, num_blocks: int = 64, max_num_seqs: int = 8) -> Engine:
+    return Engine(EngineConfig(
+        model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, async_scheduling=overlap),
+        device=DeviceConfig(device="cpu")))
+
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17, list(range(100, 103))]
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _run(eng: Engine, reqs, events=None, max_steps: int = 500):
+    """Drive eng.step(); reqs: [(rid, prompt, params)] added up front; events: {step index:
+    fn(eng)} run after that step. Returns ({rid: tokens}, {rid: finish_reason}, #outputs)."""
+    for rid, prompt, params in reqs:
+        eng.add_request(rid, prompt, params)
+    toks, reasons = {}, {}
+    n_out = 0
+    for i in range(max_steps):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            assert o.request_id not in reasons, f"output after the end of {o.request_id}"
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            n_out += 1
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        if events and i in events:
+            events[i](eng)
+    assert not eng.has_unfinished()
+    return toks, reasons, n_out
+
+
+def _no_leak(eng: Engine):
+    kv = eng.kv
+    assert kv.fence == 0 and kv.num_deferred_blocks == 0
+    assert kv.num_free_blocks == kv.num_blocks  # prefix-cached blocks count as free
+    assert not eng.scheduler.running and not eng.scheduler.waiting
+
+
+def test_same_tokens_as_synchronous():
+    reqs = [(f"r{i}", p, _greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS, (5, 9, 13, 20)))]
+    sync = _engine(False)
+    want = _run(sync, reqs)
+    eng = _engine(True)
+    got = _run(eng, reqs)
+    assert got == want
+    assert {rid: len(t) for rid, t in got[0].items()} == {"r0": 5, "r1": 9, "r2": 13, "r3": 20}
+    assert eng.num_overlapped_steps > 10 and sync.num_overlapped_steps == 0
+    assert eng.stats()["num_overlapped_steps"] == eng.num_overlapped_steps
+    _no_leak(eng)
+
+
+def test_stop_token_on_the_unseen_token():
+    """A request stops on a token the host had not seen when the next step was launched: its
+    blind row is dropped (no output after the stop), the others go on."""
+    base = _run(_engine(False), [("a", PROMPTS[0], _greedy(12)), ("b", PROMPTS[1], _greedy(12))])[0]
+    stop = base["a"][4]
+    first = base["a"].index(stop)
+    reqs = [("a", PROMPTS[0], _greedy(12, stop_token_ids=(stop,))), ("b", PROMPTS[1], _greedy(12))]
+    want = _run(_engine(False), reqs)
+    eng = _engine(True)
+    got = _run(eng, reqs)
+    assert got == want
+    assert got[0]["a"] == base["a"][:first + 1] and got[1]["a"] == "stop"
+    assert got[0]["b"] == base["b"]
+    assert eng.num_overlapped_steps > 0
+    _no_leak(eng)
+
+
+def test_blocks_of_an_ended_request_wait_for_the_step_in_flight():
+    base = _run(_engine(False), [("a", PROMPTS[0], _greedy(6))])[0]["a"]
+    eng = _engine(True)
+    # a stop token, not a length: the host cannot see it coming
+    eng.add_request("a", PROMPTS[0], _greedy(30, stop_token_ids=(base[3],)))
+    eng.add_request("b", PROMPTS[1], _greedy(30))
+    while "a" in eng.requests:
+        eng.step()
+    # "a" ended while the next step (with its blind row) was already launched
+    assert eng._inflight is not None and eng.kv.num_deferred_blocks > 0
+    eng.step()
+    assert eng.kv.num_deferred_blocks == 0
+    _run(eng, [])
+    _no_leak(eng)
+
+
+def test_abort_while_a_step_is_in_flight():
+    eng = _engine(True)
+    aborted_at = {}
+
+    def abort(e):
+        aborted_at["n"] = len(got_before(e))
+        e.abort("b")
+
+    seen: dict[str, list[int]] = {}
+
+    def got_before(e):
+        return seen.setdefault("b", [])
+
+    reqs = [("a", PROMPTS[0], _greedy(15)), ("b", PROMPTS[1], _greedy(15)), ("c", PROMPTS[2], _greedy(15))]
+    for rid, p, sp in reqs:
+        eng.add_request(rid, p, sp)
+    for i in range(100):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if i == 4:
+            assert eng._inflight is not None  # the abort lands between launch and readback
+            abort(eng)
+    assert len(seen["b"]) == aborted_at["n"] < 15  # nothing for b after its abort
+    assert len(seen["a"]) == len(seen["c"]) == 15
+    _no_leak(eng)
+
+
+def test_arrival_and_preemption_match_synchronous():
+    """A request arriving mid-generation (the overlap stops for its prefill, then resumes) and a
+    cache too small for everyone (preemption and recompute)."""
+    reqs = [(f"r{i}", p, _greedy(24)) for i, p in enumerate(PROMPTS[:3])]
+    late = ("late", list(range(50, 70)), _greedy(10))
+    add = {3: lambda e: e.add_request(*late)}
+    want = _run(_engine(False, num_blocks=7), reqs, dict(add))
+    eng = _engine(True, num_blocks=7)
+    got = _run(eng, reqs, dict(add))
+    assert got == want and len(got[0]) == 4
+    assert eng.scheduler.num_preemptions > 0 and eng.num_overlapped_steps > 0
+    _no_leak(eng)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(logprobs=2),
+    dict(temperature=0.8, seed=7),
+    dict(temperature=0.0, repetition_penalty=1.3),
+    dict(temperature=0.0, min_tokens=6, stop_token_ids=(5,)),
+])
+def test_requests_that_need_the_host_run_synchronously(kw):
+    """logprobs, seeded sampling, penalties and min_tokens bans depend on the tokens so far:
+    such steps are never launched blind, and the results equal the synchronous engine's."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **{"temperature": 0.0, **kw})
+    reqs = [("x", PROMPTS[1], params)]
+    want = _run(_engine(False), reqs)
+    eng = _engine(True)
+    got = _run(eng, reqs)
+    assert got == want
+    if "min_tokens" in kw:  # blind steps resume once the ban no longer applies
+        assert eng.num_overlapped_steps > 0
+    else:
+        assert eng.num_overlapped_steps == 0
+    _no_leak(eng)
+
+
+def test_unseeded_sampling_overlaps():
+    eng = _engine(True)
+    toks, reasons, _ = _run(eng, [("s", PROMPTS[0], SamplingParams(max_tokens=10, temperature=1.0,
+                                                                    ignore_eos=True))])
+    assert len(toks["s"]) == 10 and reasons["s"] == "length" and eng.num_overlapped_steps > 0
+    _no_leak(eng)
