@@ -9,10 +9,13 @@ Per case (random bf16 weights of the shape, CUDA graphs on), all times per decod
   pipelined_ms  run_rows called `--steps` times back to back, one sync at the end: the host
                 stages step i+1 while the GPU runs step i
   stage_us      host time of the staging alone (numpy into the pinned mirror)
-  engine_ms     Engine.step() in a real generation (`batch` requests of `ctx` prompt tokens,
-                greedy, ignore_eos): the serving loop's time per decode step (TPOT), with its
-                phases' host time: schedule, sampling batch, runner.execute (stage + upload +
-                replay + sampler, which waits for the GPU), scheduler update + outputs.
+  sync_engine_ms  Engine.step() in a real generation (`batch` requests of `ctx` prompt tokens,
+                greedy, ignore_eos) with overlapped decode off: the serving loop's time per
+                decode step (TPOT), with its phases' host time (sync_*_us): schedule, sampling
+                batch, runner.execute (stage + upload + replay + sampler, whose token copy
+                waits for the GPU), of which run_rows and sample_launch, scheduler update
+  engine_ms     the same with overlapped decode (engine/overlap.py, the default on CUDA):
+                the next step launched before this step's tokens are read back
 Prints a table and writes bench/results/decode_loop-*.json.
 """
 from __future__ import annotations
@@ -93,14 +96,14 @@ class _Phases:
             setattr(obj, attr, fn)
 
 
-def _engine_loop(eng, batch: int, ctx: int, steps: int) -> dict:
+def _engine_loop(eng, batch: int, ctx: int, steps: int, tag: str = "loop") -> dict:
     """A real generation through Engine.step(): per decode step wall time and phases."""
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(0, eng.arch.vocab_size, (ctx,), generator=gen).tolist()
-        eng.add_request(f"loop{i}", prompt, params)
-    while not all(eng.requests[f"loop{i}"].output_token_ids for i in range(batch)):
+        eng.add_request(f"{tag}{i}", prompt, params)
+    while not all(eng.requests[f"{tag}{i}"].output_token_ids for i in range(batch)):
         eng.step()  # the prompts (prefill); each request holds its first token after it
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -110,7 +113,7 @@ def _engine_loop(eng, batch: int, ctx: int, steps: int) -> dict:
     ph.wrap(eng.runner, "execute", "execute")
     if eng.runner.graphs is not None:
         ph.wrap(eng.runner.graphs, "run_rows", "run_rows")
-    ph.wrap(eng.runner, "sampler", "sampler")
+    ph.wrap(eng.runner.sampler, "tokens", "sample_launch")
     ph.wrap(eng.scheduler, "update", "update")
     walls = []
     try:
@@ -134,8 +137,15 @@ def run_case(shape: str, batch: int, ctx: int, steps: int) -> dict:
     try:
         row = {"case": f"{shape} b={batch} ctx={ctx}"}
         row.update(_graph_rows(eng, batch, ctx))
+        overlap = eng.overlap
+        eng.overlap = False
+        sync = _engine_loop(eng, batch, ctx, steps, tag="sync")
+        row.update({f"sync_{k}": v for k, v in sync.items()})
+        eng.overlap = overlap
         row.update(_engine_loop(eng, batch, ctx, steps))
-        row["host_share"] = round(1 - row["replay_ms"] / row["engine_ms"], 3)
+        row["overlapped_steps"] = eng.num_overlapped_steps
+        row["host_share"] = round(1 - row["replay_ms"] / row["sync_engine_ms"], 3)
+        row["overlap_gain"] = round(1 - row["engine_ms"] / row["sync_engine_ms"], 3)
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
     finally:
         del eng
@@ -154,8 +164,9 @@ def main() -> None:
         shape, b, c = spec.split(":")
         rows.append(run_case(shape, int(b), int(c), a.steps))
         print(rows[-1], flush=True)
-    cols = ["case", "replay_ms", "run_rows_ms", "pipelined_ms", "stage_us", "engine_ms", "host_share",
-            "schedule_us", "sampling_batch_us", "execute_us", "run_rows_us", "sampler_us", "update_us"]
+    cols = ["case", "replay_ms", "run_rows_ms", "pipelined_ms", "stage_us", "sync_engine_ms",
+            "engine_ms", "overlap_gain", "host_share", "sync_execute_us", "sync_run_rows_us",
+            "sync_sample_launch_us", "schedule_us", "update_us"]
     print_table(rows, cols)
     print("wrote", write_result("decode_loop", {"cases": a.cases, "steps": a.steps, "dtype": "bf16"},
                                 {"rows": rows}))

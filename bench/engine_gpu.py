@@ -55,6 +55,7 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool, recaptures: i
                      "floor/graph": round(floor / t.get("graph_ms", float("nan")), 3)})
         print("  ", rows[-1], flush=True)
     rows += _recaptured(eng, shape, [bc for bc in cases if bc in TARGET_CASES], rows, recaptures, max_ctx)
+    rows += _serving_loop(eng, shape, [bc for bc in cases if bc in TARGET_CASES])
     # the same step with cuBLAS matmuls + separate norm/activation kernels (skinny path off)
     model = eng.runner.model
     saved = (model.skinny_max_m, model.skinny_rows)
@@ -116,6 +117,27 @@ def bench_shape(shape: str, bw: float, tflops: float, quick: bool, recaptures: i
     return rows
 
 
+def _serving_loop(eng, shape: str, cases, steps: int = 48) -> list[dict]:
+    """Time per decode step of the engine's serving loop (Engine.step(): scheduling,
+    staging, replay, sampling, token readback, outputs) in a real greedy generation, with
+    overlapped decode off (sync_ms) and on (tpot_ms, the default on CUDA): the TPOT a client
+    sees, next to the graph step above."""
+    from bench.decode_loop import _engine_loop
+
+    out = []
+    overlap = eng.overlap
+    for b, c in cases:
+        res = {}
+        for name, on in (("sync", False), ("tpot", True)):
+            eng.overlap = on
+            res[name] = _engine_loop(eng, b, c, steps, tag=f"{name}{b}x{c}-")["engine_ms"]
+        out.append({"shape": shape, "case": f"serving loop b={b} ctx={c}",
+                    "sync_ms": round(res["sync"], 3), "tpot_ms": round(res["tpot"], 3)})
+        print("  ", out[-1], flush=True)
+    eng.overlap = overlap
+    return out
+
+
 def _recaptured(eng, shape: str, cases, rows: list[dict], recaptures: int, max_ctx: int) -> list[dict]:
     """Median graph step time of each case over the first capture (its row in `rows`) and
     `recaptures` fresh ones."""
@@ -161,7 +183,8 @@ def main() -> None:
             if hf and ours:
                 rows.append({"shape": shape, "case": f"speedup vs {tag} b=1",
                              "graph_ms": round(hf / ours, 1)})
-    print_table(rows, ["shape", "case", "graph_ms", "eager_ms", "floor_ms", "floor/graph", "tflops"])
+    print_table(rows, ["shape", "case", "graph_ms", "eager_ms", "sync_ms", "tpot_ms", "floor_ms",
+                       "floor/graph", "tflops"])
     path = write_result("engine_gpu", {"shapes": a.shapes, "dtype": "bf16", "block_size": 16,
                                        "recaptures": a.recaptures,
                                        "copy_gbs": round(bw, 1), "gemm_tflops": round(tf, 1)},

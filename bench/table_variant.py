@@ -5,7 +5,7 @@ table of a GPU with some entries' configs changed, written to a new file.
                                   [--device "NVIDIA H200"]
 
 FIELD is a SkinnyConfig field (block_n, block_k, num_warps, num_stages, use_dot, split_k,
-prefetch_x, norm_separate, slab, hoist) or `cfg` with a whole table cfg as JSON, e.g.
+prefetch_x, norm_separate, slab) or `cfg` with a whole table cfg as JSON, e.g.
     --set "4096,4096@1=num_stages:1;prefetch_x:true" --set "14336,4096,silu@64=cfg:[128,64,8,4,true,2]"
 Only existing entries change (a typo in N, K, silu or M is an error, not a silent no-op).
 """

@@ -16,7 +16,10 @@ def test_engine_loop_phases():
     execute = eng.runner.execute
     got = _engine_loop(eng, batch=2, ctx=20, steps=6)
     assert got["engine_steps"] == 6 and got["engine_ms"] > 0
-    for phase in ("schedule", "sampling_batch", "execute", "sampler", "update"):
+    for phase in ("schedule", "sampling_batch", "execute", "sample_launch", "update"):
         assert got[f"{phase}_us"] > 0
     assert "run_rows_us" not in got  # no graphs on CPU
     assert eng.runner.execute == execute and not eng.has_unfinished()
+    eng.overlap = True  # the overlapped loop (on CPU nothing overlaps, the logic runs)
+    again = _engine_loop(eng, batch=2, ctx=20, steps=6, tag="again")
+    assert again["engine_steps"] == 6 and eng.num_overlapped_steps >= 4

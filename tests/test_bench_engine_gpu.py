@@ -19,3 +19,15 @@ def test_recaptured_takes_the_median_over_captures(monkeypatch):
         ("decode b=1 ctx=1024 median of 3 captures", 4.1, [4.1, 4.3, 4.0]),
         ("decode b=64 ctx=2048 median of 3 captures", 9.7, [9.7, 9.9, 9.5])]
     assert eg._recaptured(eng, "s", [(1, 1024)], rows, 0, 2048) == []  # --recaptures 0
+
+
+def test_serving_loop_times_both_modes_and_restores_the_switch():
+    from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+    from engine.engine import Engine
+
+    eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
+                              cache=CacheConfig(block_size=16, num_blocks=64), device=DeviceConfig(device="cpu")))
+    out = eg._serving_loop(eng, "tiny", [(2, 20)], steps=5)
+    assert [r["case"] for r in out] == ["serving loop b=2 ctx=20"]
+    assert out[0]["sync_ms"] > 0 and out[0]["tpot_ms"] > 0
+    assert eng.overlap is False and eng.num_overlapped_steps >= 3 and not eng.has_unfinished()

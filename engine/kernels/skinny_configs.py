@@ -6,7 +6,7 @@ model shapes and writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.
     {"device": "NVIDIA H200", "max_m": 64, "fused_m": [1, 16, 32, 64],
      "entries": [{"n": 6144, "k": 4096, "silu": false, "m": 1,
                   "cfg": [block_n, block_k, num_warps, num_stages, use_dot(, split_k,
-                          prefetch_x, norm_separate(, slab(, hoist)))]}, ...]}
+                          prefetch_x, norm_separate(, slab))]}, ...]}
 Lookup: exact (n, k, silu) and the smallest tuned m >= the batch's m (else the largest).
 fused_m: the tuned m where the fused kernels beat cuBLAS over a whole step; a batch takes
 the fused path when its tuned bucket (the smallest tuned m >= its rows) is in fused_m (a
@@ -115,9 +115,6 @@ class SkinnyConfig:
     # per SM, block_n rows a step and num_warps warps (whole rows: block_k is only used by
     # the tile kernel, which runs the entry for more rows or K > slab_gemv.MAX_K)
     slab: int = 0
-    # slab only: rows per program requested before the PDL wait and held in registers across
-    # it (slab_gemv's hoist), so they stream while the previous kernel still runs
-    hoist: int = 0
     # this op runs on cuBLAS inside the fused path (rmsnorm kernel, F.linear, torch epilogues):
     # where the tuned table found cuBLAS faster for one op of a batch size the others win
     # (table cfg ["cublas"]); the tile fields are unused
@@ -133,8 +130,6 @@ class SkinnyConfig:
             return ["cublas"]
         cfg = [self.block_n, self.block_k, self.num_warps, self.num_stages, self.use_dot,
                self.split_k, self.prefetch_x, self.norm_separate]
-        if self.hoist:
-            return cfg + [self.slab, self.hoist]
         return cfg + [self.slab] if self.slab else cfg
 
     def k_split(self, k: int) -> tuple[int, int]:

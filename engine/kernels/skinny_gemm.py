@@ -253,7 +253,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if cfg.slab and slab_runs(M, weight):
         return slab_gemv(x, weight, out, rows_per_step=cfg.block_n, programs_per_sm=cfg.slab,
                          num_warps=cfg.num_warps, bias=bias, norm_weight=norm_weight, eps=eps,
-                         silu=silu, residual=residual, pdl=pdl, hoist=cfg.hoist)
+                         silu=silu, residual=residual, pdl=pdl)
     bm = cfg.block_m(M)
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
     pdl = pdl_mode(x.device, pdl)

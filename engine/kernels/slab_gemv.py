@@ -86,28 +86,18 @@ def _rows(w_ptr, rows, r_end, offs_k, K, EVEN_K: tl.constexpr):
 def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up_off,
                       rows_per_prog, eps, R: tl.constexpr, BLOCK_K: tl.constexpr,
                       NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                      HOIST: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL == 1:
         gdc_launch_dependents()
     r0 = tl.program_id(0) * rows_per_prog  # rows_per_prog: a multiple of R
     r_end = tl.minimum(N, r0 + rows_per_prog)
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BLOCK_K)
-    up_w = w_ptr + up_off.to(tl.int64) * K
     # NOTE: nothing before gdc_wait may read activations or write anything
-    first = r0
-    if HOIST:  # the slab's first HOIST rows held in registers across the wait (PDL)
-        offs_h = tl.arange(0, HOIST)
-        wh = _rows(w_ptr, r0 + offs_h, r_end, offs_k, K, EVEN_K)
-        wuh = wh
-        if SILU:
-            wuh = _rows(up_w, r0 + offs_h, r_end, offs_k, K, EVEN_K)
-        first = r0 + HOIST
-    w = _rows(w_ptr, first + offs_r, r_end, offs_k, K, EVEN_K)
+    w = _rows(w_ptr, r0 + offs_r, r_end, offs_k, K, EVEN_K)
     wu = w
     if SILU:
-        wu = _rows(up_w, first + offs_r, r_end, offs_k, K, EVEN_K)
+        wu = _rows(w_ptr + up_off.to(tl.int64) * K, r0 + offs_r, r_end, offs_k, K, EVEN_K)
     if PDL:
         gdc_wait()
     adt: tl.constexpr = x_ptr.dtype.element_ty
@@ -124,20 +114,12 @@ def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up
         x = (g.to(tl.float32) * (x * rstd).to(adt).to(tl.float32)).to(adt).to(tl.float32)
     offs_m = tl.arange(0, 1)
     m_mask = offs_m < 1
-    if HOIST:
-        yh = tl.sum(wh.to(tl.float32) * x[None, :], 1)[None, :]  # [1, HOIST]
-        yh_u = yh
-        if SILU:
-            yh_u = tl.sum(wuh.to(tl.float32) * x[None, :], 1)[None, :]
-        rows_h = r0 + offs_h
-        _epilogue(yh, yh_u, yh, offs_m, rows_h, m_mask, rows_h < r_end, out_ptr, res_ptr, bias_ptr, K,
-                  0, 0, eps, adt, False, SILU, RESID, HAS_BIAS)
-    for r in range(first, r_end, R):
+    for r in range(r0, r_end, R):
         nxt = r + R + offs_r  # the next step's rows, requested before this step's math
         w_next = _rows(w_ptr, nxt, r_end, offs_k, K, EVEN_K)
         wu_next = w_next
         if SILU:
-            wu_next = _rows(up_w, nxt, r_end, offs_k, K, EVEN_K)
+            wu_next = _rows(w_ptr + up_off.to(tl.int64) * K, nxt, r_end, offs_k, K, EVEN_K)
         y = tl.sum(w.to(tl.float32) * x[None, :], 1)[None, :]  # [1, R]
         y_u = y
         if SILU:
@@ -154,26 +136,20 @@ def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up
 def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_per_step: int,
               programs_per_sm: int, num_warps: int, bias: torch.Tensor | None = None,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
-              residual: torch.Tensor | None = None, pdl: bool | None = None,
-              hoist: int = 0) -> torch.Tensor:
+              residual: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x [1, K] (unit stride), weight [N_w, K] contiguous, out [1, N] (N = N_w, or N_w / 2
     with silu) with unit stride; residual [1, N] (may be out). Shapes are checked by the
-    caller (engine.kernels.skinny_gemm.skinny_linear). hoist: 0, or a power of two: each
-    program requests its slab's first `hoist` rows before the grid-dependency wait and holds
-    them in registers across it (with PDL they stream while the previous kernel runs)."""
+    caller (engine.kernels.skinny_gemm.skinny_linear)."""
     if not runs(x.shape[0], weight):
         raise ValueError(f"slab GEMV: one row and contiguous weight rows of K <= {MAX_K}, got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)} stride {weight.stride()}")
     NW, K = weight.shape
     N = NW // 2 if silu else NW
     R = rows_per_step
-    if hoist and (hoist & (hoist - 1) or hoist % R):
-        raise ValueError(f"slab GEMV: hoist={hoist} must be a power of two and a multiple of "
-                         f"rows_per_step={R}")
     pdl = pdl_mode(x.device, pdl)
     consts = dict(R=R, BLOCK_K=triton.next_power_of_2(K), NORM=norm_weight is not None, SILU=silu,
                   RESID=residual is not None, HAS_BIAS=bias is not None,
-                  EVEN_K=triton.next_power_of_2(K) == K, PDL=pdl, HOIST=hoist)
+                  EVEN_K=triton.next_power_of_2(K) == K, PDL=pdl)
     key = (x.device.index, N, K, x.dtype, weight.dtype, out.dtype, num_warps, *consts.values())
     fit = _FIT.get(key)
     per_sm = programs_per_sm if fit is None else min(programs_per_sm, fit)

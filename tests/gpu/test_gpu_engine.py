@@ -139,3 +139,42 @@ def test_slab_gemv_decode_matches_hf_and_replays(hf_dir, monkeypatch):
         assert calls
     finally:
         sc.default_config.cache_clear()
+
+
+def test_overlapped_decode_matches_synchronous(hf_dir):
+    """Overlapped decode on the GPU (graph replays fed the previous step's tokens on the
+    device, tokens read back through pinned memory) produces the synchronous engine's tokens,
+    also for a request that stops on a token the host had not seen when the next step left."""
+    path, _ = hf_dir
+    prompts = _prompts(3)
+    # no prefix caching: every run prefills the same way, so the runs compare bit for bit
+    eng = Engine(EngineConfig(
+        model=ModelConfig(model=path, dtype="bf16", max_model_len=2048),
+        cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+        device=DeviceConfig(device="cuda", cuda_graph_max_batch=8)))
+    assert eng.overlap  # on by default on CUDA
+    eng.overlap = False
+    base = _run(eng, prompts, 24)
+    stop = base[0][5]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
+              SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
+
+    def run(overlap):
+        eng.overlap = overlap
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(f"o{overlap}-{i}", p, sp)
+        got = {i: [] for i in range(3)}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[int(o.request_id.rsplit("-", 1)[1])].extend(o.new_token_ids)
+        return [got[i] for i in range(3)]
+
+    replays = eng.runner.graphs.replays
+    want = run(False)
+    n0 = eng.num_overlapped_steps
+    got = run(True)
+    assert got == want and got[0] == base[0][:base[0].index(stop) + 1] and got[1] == base[1]
+    assert eng.num_overlapped_steps - n0 > 10 and eng.runner.graphs.replays > replays
+    assert eng.kv.fence == 0 and eng.kv.num_deferred_blocks == 0

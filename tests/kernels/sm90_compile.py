@@ -26,7 +26,7 @@ SPLIT = dict(G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=128, DIRECT=False, 
 SKINNY = dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=4096, SPLIT_K=1, PREFETCH_X=False, ONE_CHUNK=True,
               NORM=False, SILU=True, RESID=False, HAS_BIAS=False, USE_DOT=False, EVEN_K=True,
               EVEN_N=True, PREC=None, UPCAST=False)
-SLAB = dict(R=2, BLOCK_K=4096, NORM=True, SILU=False, RESID=False, HAS_BIAS=False, EVEN_K=True, HOIST=0)
+SLAB = dict(R=2, BLOCK_K=4096, NORM=True, SILU=False, RESID=False, HAS_BIAS=False, EVEN_K=True)
 ROPE_KV = dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, IS_FP8=False)
 
 # (module, kernel, constexprs, num_warps, num_stages, pointer dtype overrides)
@@ -47,8 +47,6 @@ VARIANTS = [
                                                 SILU=False), 4, 3, {}),
     ("slab_gemv", "_slab_gemv_kernel", dict(SLAB, PDL=1), 8, 1, {}),
     ("slab_gemv", "_slab_gemv_kernel", dict(SLAB, PDL=2, NORM=False, SILU=True, R=1), 8, 1, {}),
-    # o_proj with rows held across the PDL wait (8B shape, 16 rows on 8 warps)
-    ("slab_gemv", "_slab_gemv_kernel", dict(SLAB, PDL=1, NORM=False, RESID=True, HOIST=16), 8, 1, {}),
     ("rmsnorm", "_rmsnorm_kernel", dict(N=4096, BLOCK=4096, HAS_RES=False, PDL=1), 8, 1, {}),
     ("rmsnorm", "_rmsnorm_kernel", dict(N=4096, BLOCK=4096, HAS_RES=True, PDL=0), 8, 1, {}),
     ("rope_kv_write", "_rope_kv_write_kernel", dict(ROPE_KV, PDL=2), 4, 1, {}),
@@ -87,7 +85,7 @@ def compile_variant(module: str, kernel: str, constexprs: dict, warps: int, stag
     fn = getattr(importlib.import_module(f"engine.kernels.{module}"), kernel)
     sig, attrs = _signature(fn, constexprs, overrides)
     row = {"kernel": kernel, "variant": {k: v for k, v in constexprs.items()
-                                         if k in ("PDL", "ROPE", "USE_DOT", "IS_FP8", "SPLIT_K", "HOIST")}}
+                                         if k in ("PDL", "ROPE", "USE_DOT", "IS_FP8", "SPLIT_K")}}
     try:
         k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=warps, num_stages=stages))

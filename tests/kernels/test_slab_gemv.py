@@ -13,10 +13,7 @@ from ._util import gemm_data, rel_err
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 # rows a step, programs per SM (num_sms is a nominal 8 on CPU)
 SLABS = [SkinnyConfig(1, 64, 4, 1, False, slab=1), SkinnyConfig(2, 64, 4, 1, False, slab=2),
-         SkinnyConfig(4, 64, 4, 1, False, slab=4),
-         # rows held across the PDL wait: fewer than a slab (the loop goes on after them), and
-         # more than a slab (masked: rows past the slab belong to the next program)
-         SkinnyConfig(2, 64, 4, 1, False, slab=1, hoist=4), SkinnyConfig(1, 64, 4, 1, False, slab=4, hoist=8)]
+         SkinnyConfig(4, 64, 4, 1, False, slab=4)]
 
 
 def _data(n, k, dtype, seed, silu=False, device="cpu"):
@@ -79,18 +76,6 @@ def test_table_field_round_trip():
     assert SkinnyConfig.from_table(cfg.to_table()) == cfg and cfg.to_table()[-1] == 4
     plain = SkinnyConfig(2, 4096, 8, 1, False)
     assert len(plain.to_table()) == 8 and not plain.slab and not plain.cublas
-    held = SkinnyConfig(2, 4096, 8, 1, False, 1, False, False, 1, 16)
-    assert SkinnyConfig.from_table(held.to_table()) == held and held.to_table()[-2:] == [1, 16]
-
-
-def test_bad_hoist_is_refused(device):
-    from engine.kernels.slab_gemv import slab_gemv
-
-    x, w, _, _, _ = _data(24, 64, torch.float32, seed=4, device=device)
-    for bad in (3, 2):  # not a power of two; not a multiple of 4 rows a step
-        with pytest.raises(ValueError, match="hoist"):
-            slab_gemv(x, w, torch.empty(1, 24, device=device), rows_per_step=4, programs_per_sm=1,
-                      num_warps=4, hoist=bad)
 
 
 @pytest.mark.parametrize("cfg", [SkinnyConfig(4, 256, 4, 1, False, slab=1), SkinnyConfig(1, 256, 8, 1, False, slab=2)])
