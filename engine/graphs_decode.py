@@ -53,9 +53,12 @@ class DecodeGraphRunner(BucketGraphs):
         d = self.staging.d
         self.input_ids, self.positions, self.slot_mapping = d.input_ids, d.positions, d.slot_mapping
         self.block_tables, self.seq_lens, self.query_start_loc = d.block_tables, d.seq_lens, d.query_start_loc
+        # each graph also writes its rows' greedy tokens (argmax of the logits) here: a greedy
+        # batch needs no sampler launches after the replay (Sampler.greedy_only)
+        self.greedy = torch.zeros(B, dtype=torch.int64, device=self.device)
 
     def static_bytes(self) -> int:
-        return self.staging.nbytes
+        return self.staging.nbytes + self.greedy.numel() * self.greedy.element_size()
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -67,7 +70,14 @@ class DecodeGraphRunner(BucketGraphs):
     def _forward(self, b: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches,
                             self._meta(b), self.kv_scales)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        torch.argmax(logits, dim=-1, out=self.greedy[:b])
+        return logits
+
+    def greedy_tokens(self, n: int) -> torch.Tensor:
+        """The last replay's greedy tokens of its first n rows (a view: valid until the next
+        replay), equal to the sampler's argmax of the same logits."""
+        return self.greedy[:n]
 
     def _bucket(self, n: int, nblk: int) -> int | None:
         """The captured bucket for n rows whose block tables need nblk columns, else None

@@ -243,6 +243,8 @@ class ModelRunner:
         token_src: the input token ids as a device tensor [n] instead of the rows' (the
         previous step's tokens, still on the device: engine/engine.py's overlapped decode)."""
         logits = self.graphs.run_rows(rows, token_src) if self.graphs is not None else None
+        if logits is not None and sampling.greedy_only:
+            return self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
         if logits is None:
             input_ids, positions, meta, logits_idx = self.build_metadata(rows)
             if token_src is not None:

@@ -77,6 +77,12 @@ class SamplingBatch:
     def num_rows(self) -> int:
         return len(self.request_ids)
 
+    @property
+    def greedy_only(self) -> bool:
+        """Every row takes the argmax of the raw logits (no bans, no penalties): the sampler's
+        tokens are exactly logits.argmax(-1), which a decode graph computes itself."""
+        return self.all_greedy and self.ban_rows is None and self.pen_rows is None
+
     @staticmethod
     def from_requests(reqs: list[Request], vocab_size: int, device) -> "SamplingBatch":
         if not reqs:

@@ -172,3 +172,26 @@ def test_unseeded_sampling_overlaps():
                                                                     ignore_eos=True))])
     assert len(toks["s"]) == 10 and reasons["s"] == "length" and eng.num_overlapped_steps > 0
     _no_leak(eng)
+
+
+def test_greedy_only_is_the_plain_argmax():
+    """SamplingBatch.greedy_only (a decode graph's own argmax replaces the sampler) holds exactly
+    when the sampler's tokens are the argmax of the raw logits."""
+    import torch
+
+    from engine.layers.sampler import Sampler
+    from engine.layers.sampling_batch import SamplingBatch
+    from engine.request import Request
+
+    def batch(**kw):
+        r = Request("r", [1, 2, 3], SamplingParams(max_tokens=4, **kw), eos_token_ids=(5,))
+        return SamplingBatch.from_requests([r], 16, "cpu")
+
+    logits = torch.randn(1, 16)
+    logits[0, 5] = 10.0  # eos is the argmax: a min_tokens ban changes the token
+    assert batch(temperature=0.0).greedy_only
+    assert Sampler().tokens(logits, batch(temperature=0.0)).tolist() == [5]
+    for kw in (dict(temperature=0.0, min_tokens=2), dict(temperature=0.0, repetition_penalty=1.2),
+               dict(temperature=0.7)):
+        assert not batch(**kw).greedy_only
+    assert Sampler().tokens(logits, batch(temperature=0.0, min_tokens=2)).tolist() != [5]

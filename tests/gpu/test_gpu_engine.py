@@ -101,6 +101,8 @@ def test_graph_replay_bit_identical_to_eager(hf_dir):
         with torch.inference_mode():
             kv_before = [t.clone() for t in r.kv_caches]
             a = g.run(ids, pos, meta).clone()
+            # the graph's own greedy tokens (overlapped decode's sampler-free path)
+            assert torch.equal(g.greedy_tokens(batch), a.float().argmax(-1))
             for t, t0 in zip(r.kv_caches, kv_before):
                 t.copy_(t0)
             b = r.model.compute_logits(r.model(ids, pos, r.kv_caches, meta, r.kv_scales))
