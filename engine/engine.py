@@ -263,6 +263,8 @@ class Engine:
             for o in self.step():
                 if o.request_id in got:
                     got[o.request_id].extend(o.new_token_ids)
+        while self._inflight is not None:  # a blind step after the last stop: complete it
+            self.step()
         return [got[rid] for rid in ids]
 
     # ---- disaggregation -------------------------------------------------------------

@@ -195,3 +195,12 @@ def test_greedy_only_is_the_plain_argmax():
                dict(temperature=0.7)):
         assert not batch(**kw).greedy_only
     assert Sampler().tokens(logits, batch(temperature=0.0, min_tokens=2)).tolist() != [5]
+
+
+def test_generate_leaves_nothing_in_flight():
+    eng = _engine(True)
+    base = _engine(False).generate([PROMPTS[0]], _greedy(8))[0]
+    out = eng.generate([PROMPTS[0]], _greedy(30, stop_token_ids=(base[5],)))
+    assert out == [base[:base.index(base[5]) + 1]]
+    assert eng._inflight is None and not eng.has_unfinished()
+    _no_leak(eng)
