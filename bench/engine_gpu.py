@@ -21,6 +21,7 @@ import time
 import torch
 
 from bench.common import print_table, write_result
+from bench.decode_loop import both_loops
 from bench.engine_gpu_steps import (gemm_tflops, hf_decode_ms, hf_generate_ms_per_token,
                                     kv_bytes_per_token, make_engine, model_flops_per_token,
                                     time_decode, time_prefill, weight_bytes)
@@ -122,19 +123,13 @@ def _serving_loop(eng, shape: str, cases, steps: int = 48) -> list[dict]:
     staging, replay, sampling, token readback, outputs) in a real greedy generation, with
     overlapped decode off (sync_ms) and on (tpot_ms, the default on CUDA): the TPOT a client
     sees, next to the graph step above."""
-    from bench.decode_loop import _engine_loop
-
     out = []
-    overlap = eng.overlap
     for b, c in cases:
-        res = {}
-        for name, on in (("sync", False), ("tpot", True)):
-            eng.overlap = on
-            res[name] = _engine_loop(eng, b, c, steps, tag=f"{name}{b}x{c}-")["engine_ms"]
+        loops = both_loops(eng, b, c, steps, tag=f"{b}x{c}-")
         out.append({"shape": shape, "case": f"serving loop b={b} ctx={c}",
-                    "sync_ms": round(res["sync"], 3), "tpot_ms": round(res["tpot"], 3)})
+                    "sync_ms": round(loops["sync"]["engine_ms"], 3),
+                    "tpot_ms": round(loops["overlap"]["engine_ms"], 3)})
         print("  ", out[-1], flush=True)
-    eng.overlap = overlap
     return out
 
 

@@ -10,8 +10,8 @@ import os
 import socket
 
 from common.envs import env_bool, env_float, env_int, env_str
-from engine.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, ModelConfig,
-                           SchedulerConfig)
+from engine.config import (ASYNC_SCHEDULING, CacheConfig, ConfigError, DeviceConfig, EngineConfig,
+                           ModelConfig, SchedulerConfig)
 
 DEFAULT_PREFILL_GRAPH_TOKENS = DeviceConfig.cuda_graph_max_prefill_tokens
 
@@ -61,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode batches up to this size use the fused skinny-GEMM Triton kernels "
                         "(CUDA); larger ones cuBLAS; 0 disables (default: the tuned table of "
                         "the GPU, engine/kernels/configs)")
-    g.add_argument("--async-scheduling", choices=("auto", "on", "off"),
+    g.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING),
                    default=env_str("SPLITSERVE_ASYNC_SCHEDULING", "auto"),
                    help="overlapped decode: launch the next decode step before the current "
                         "step's tokens reach the host, hiding the host's per-step work "
@@ -134,6 +134,10 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
     preempted requests, mostly mixed with more decode rows than a prefill graph holds, and its
     GPU memory is better spent on KV blocks)."""
     device = _device(a.device)
+    async_scheduling = getattr(a, "async_scheduling", "auto")
+    if async_scheduling not in ASYNC_SCHEDULING:  # an environment default skips argparse's check
+        raise ConfigError(f"async scheduling must be one of {tuple(ASYNC_SCHEDULING)}, "
+                          f"got {async_scheduling!r}")
     prefill_graph_tokens = a.cuda_graph_max_prefill_tokens
     if prefill_graph_tokens is None:
         prefill_graph_tokens = 0 if role == "decode" else DEFAULT_PREFILL_GRAPH_TOKENS
@@ -147,8 +151,7 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                               enable_prefix_caching=prefix_caching and not a.no_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                       max_num_batched_tokens=a.max_num_batched_tokens,
-                                      async_scheduling={"on": True, "off": False}.get(
-                                          getattr(a, "async_scheduling", "auto"))),
+                                      async_scheduling=ASYNC_SCHEDULING[async_scheduling]),
             device=DeviceConfig(device=device, enforce_eager=a.enforce_eager,
                                 attention_backend=a.attention_backend,
                                 cuda_graph_max_batch=a.cuda_graph_max_batch,

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
+# --async-scheduling choices -> SchedulerConfig.async_scheduling
+ASYNC_SCHEDULING = {"auto": None, "on": True, "off": False}
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 

@@ -205,8 +205,7 @@ class Engine:
         """Wait for a launched step's tokens; update the scheduler; its outputs."""
         out = launched.result()
         if launched.overlapped:
-            self.runner.step_times.append(time.perf_counter() - launched.t0)
-            del self.runner.step_times[:-64]
+            self.runner.record_step_time(launched.t0)
             # every step up to this one has completed on the device
             self.kv.release_deferred(launched.seq)
             if self._inflight is None:

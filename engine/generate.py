@@ -9,7 +9,8 @@ import logging
 import sys
 import time
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (ASYNC_SCHEDULING, CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
+                           SchedulerConfig)
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -20,7 +21,7 @@ def build_config(a: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                  async_scheduling={"on": True, "off": False}.get(a.async_scheduling)),
+                                  async_scheduling=ASYNC_SCHEDULING[a.async_scheduling]),
         device=DeviceConfig(device=a.device, enforce_eager=a.enforce_eager,
                             attention_backend=a.attention_backend, cpu_threads=a.cpu_threads,
                             cuda_graph_max_batch=a.cuda_graph_max_batch,
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING), default="auto",
                    help="overlapped decode (engine/overlap.py); auto: on for CUDA")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="largest decode batch replayed through a CUDA graph")

@@ -145,6 +145,11 @@ class KVCacheManager:
         return hash(self._key(parent, tokens, i))
 
     # ---- allocation -----------------------------------------------------------------
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """New blocks allocate(req, num_new_tokens) would take (<= 0: none)."""
+        held = len(self._tables.get(req.request_id, ()))
+        return self.blocks_for(req.num_computed_tokens + num_new_tokens) - held
+
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow the block table to cover req.num_computed_tokens + num_new_tokens tokens.
         All-or-nothing: on False nothing changed."""
@@ -152,7 +157,7 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = req.request_id
         table = self._tables.get(rid, [])
-        need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(table)
+        need = self.blocks_needed(req, num_new_tokens)
         if need > 0:
             new = self.pool.take(need)
             if new is None:

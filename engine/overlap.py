@@ -33,6 +33,7 @@ import torch
 
 from engine.layers.sampler import SamplerOutput, SamplingBatch
 from engine.request import Request
+from engine.runner import StepInput
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 
@@ -108,7 +109,7 @@ def can_follow(prev: Launched, sched: Scheduler) -> bool:
                 or (p.seed is not None and p.temperature != 0.0)):
             return False
         # prev computes position num_computed; the next step the one after it
-        need += max(0, kv.blocks_for(r.num_computed_tokens + 2) - len(kv.block_ids(r.request_id)))
+        need += max(0, kv.blocks_needed(r, 2))
     return need <= kv.num_free_blocks
 
 

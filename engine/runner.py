@@ -223,17 +223,15 @@ class ModelRunner:
     def execute(self, rows: list[StepInput], sampling: SamplingBatch | None):
         """Run one forward; return (SamplerOutput or None, logits of sampled rows or None)."""
         t0 = time.perf_counter()
-        logits, prepared = self._replay(rows)
+        logits = self._replay(rows)
         if logits is None:
-            input_ids, positions, meta, logits_idx = prepared or self.build_metadata(rows)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
-            if logits_idx:
-                idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
-                logits = self.model.compute_logits(hidden.index_select(0, idx))
+            logits = self._eager_logits(rows)
         elif logits.shape[0] == 0:
             logits = None  # a replayed step in which no row samples
         out = self.sampler(logits, sampling) if logits is not None else None
-        return self._done(t0, out, logits)
+        # the sampler's host copy of token ids already synchronized with the device
+        self.record_step_time(t0)
+        return out, logits
 
     @torch.inference_mode()
     def launch_decode(self, rows: list[StepInput], sampling: SamplingBatch,
@@ -243,30 +241,37 @@ class ModelRunner:
         token_src: the input token ids as a device tensor [n] instead of the rows' (the
         previous step's tokens, still on the device: engine/engine.py's overlapped decode)."""
         logits = self.graphs.run_rows(rows, token_src) if self.graphs is not None else None
-        if logits is not None and sampling.greedy_only:
-            return self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
         if logits is None:
-            input_ids, positions, meta, logits_idx = self.build_metadata(rows)
-            if token_src is not None:
-                input_ids = token_src[:len(rows)]
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
-            logits = self.model.compute_logits(hidden)  # one sampled token per row
+            logits = self._eager_logits(rows, token_src)
+        elif sampling.greedy_only:
+            return self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
         return self.sampler.tokens(logits, sampling)
 
-    def _replay(self, rows: list[StepInput]):
-        """-> (logits of the sampled rows from a graph replay, or None: run eager;
-        the eager inputs when they were built on the way, else None)."""
+    def _replay(self, rows: list[StepInput]) -> torch.Tensor | None:
+        """Logits of the sampled rows from a graph replay, or None: run eager."""
         if self.graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in rows):
-            return self.graphs.run_rows(rows), None
+            return self.graphs.run_rows(rows)
         if self.prefill_graphs is not None:
-            return self.prefill_graphs.run(rows), None
-        return None, None
+            return self.prefill_graphs.run(rows)
+        return None
 
-    def _done(self, t0: float, out, logits):
-        # the sampler's host copy of token ids already synchronized with the device
+    def _eager_logits(self, rows: list[StepInput], token_src: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
+        """The eager model: logits of the sampled rows, or None when no row samples.
+        token_src: the input token ids as a device tensor instead of the rows'."""
+        input_ids, positions, meta, logits_idx = self.build_metadata(rows)
+        if token_src is not None:
+            input_ids = token_src[:len(rows)]
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
+        if not logits_idx:
+            return None
+        idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, idx))
+
+    def record_step_time(self, t0: float) -> None:
+        """A finished step's wall time since t0 (the last 64 are kept, for stats)."""
         self.step_times.append(time.perf_counter() - t0)
         del self.step_times[:-64]
-        return out, logits
 
     def sampling_batch(self, reqs) -> SamplingBatch:
         return SamplingBatch.from_requests(reqs, self.arch.vocab_size, self.device)

@@ -106,3 +106,13 @@ def test_kv_transfer_backend_flag_and_env(monkeypatch):
         kv_backend_from_args(prefill_args([]))
     with pytest.raises(ConfigError, match="kv-pair-timeout"):
         kv_backend_from_args(prefill_args(["--kv-transfer-backend", "dist", "--kv-pair-timeout-s", "0"]))
+
+
+def test_async_scheduling_flag(monkeypatch):
+    assert engine_config_from_args(prefill_args([])).scheduler.async_scheduling is None  # auto
+    assert engine_config_from_args(decode_args(["--async-scheduling", "off"])).scheduler.async_scheduling is False
+    monkeypatch.setenv("SPLITSERVE_ASYNC_SCHEDULING", "on")
+    assert engine_config_from_args(decode_args([])).scheduler.async_scheduling is True
+    monkeypatch.setenv("SPLITSERVE_ASYNC_SCHEDULING", "sometimes")
+    with pytest.raises(ConfigError, match="async scheduling must be one of"):
+        engine_config_from_args(decode_args([]))
