@@ -4,7 +4,8 @@ launches per step, and the gap = step wall time - summed kernel time (launch lat
 dependency waits, host staging), which PDL and fewer kernels per layer attack.
 
     python -m bench.step_profile [--cases llama-3.2-1b:1:1024,llama-3.1-8b:64:2048:fused]
-                                 [--timeline] [--table CANDIDATE.json] [--attr MOD.NAME=VALUE[&...]]
+                                 [--timeline | --stamps] [--table CANDIDATE.json]
+                                 [--attr MOD.NAME=VALUE[&...]]
 
 A case's optional 4th field `fused` runs the fused skinny matmuls for every batch up to 64
 rows (else the tuned table decides, as in serving).
@@ -15,6 +16,11 @@ waiting for the previous kernel) and of what it adds to the step (its end minus 
 kernel's end): the in-step counterpart of an isolated timing, to compare a table's ops
 inside the step (--table runs the engine on a candidate skinny-GEMM table instead; --attr
 sets module switches first, as bench.decode_ab --attr-b does for its B side).
+--stamps: the step captured with in-kernel timestamps (engine/kernels/trace.py): per position
+of the per-layer pattern, medians over layers and replays, in us relative to the previous
+kernel's last program end (t=0): when its first program became resident, when its
+grid-dependency wait released (first / last program), the decode split's midpoints (rotary +
+new K/V written; its tiles attended), when its programs ended (median / last = what it adds).
 Last, the registers / spills / shared memory of every kernel variant the cases compiled, as
 this GPU's Triton reports them, and how many programs of each fit on one SM
 (bench/kernel_resources.py).
@@ -33,6 +39,7 @@ from bench.engine_gpu_steps import decode_inputs, make_engine
 from bench.kernel_resources import COLUMNS as RES_COLUMNS
 from bench.kernel_resources import compiled_rows
 from bench.timing import cuda_time_ms
+from engine.kernels import trace
 from engine.runner import StepInput
 
 KINDS = (("skinny", "matmul (fused skinny)"), ("gemm", "matmul (cuBLAS)"), ("nvjet", "matmul (cuBLAS)"),
@@ -96,9 +103,14 @@ def step_kernels(prof) -> list[tuple[str, float, float]]:
 
 @torch.inference_mode()
 def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool = False,
-                 timeline: bool = False) -> list[dict]:
-    eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
-                      prefill_graphs=False, skinny_max_batch=64 if fused else None)
+                 timeline: bool = False, stamps: bool = False) -> list[dict]:
+    trace.RECORDS.clear()
+    trace.ENABLED = stamps  # read by every launch, the graph capture's included
+    try:
+        eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
+                          prefill_graphs=False, skinny_max_batch=64 if fused else None)
+    finally:
+        trace.ENABLED = False
     r = eng.runner
     ids, _, meta = decode_inputs(eng, batch, ctx)
     bt = meta.block_tables.tolist()
@@ -106,11 +118,14 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
     wall_ms = cuda_time_ms(lambda: r.graphs.run_rows(rows), iters=50)  # (also the warm-up)
     case = f"{shape} b={batch} ctx={ctx}" + (" fused" if fused else "")
     try:
+        if stamps:
+            return _stamp_rows(r, rows, case, steps)
         if timeline:
             return _timeline_rows(r, rows, case)
         return _kernel_sum_rows(r, rows, case, steps, wall_ms)
     finally:
         del eng, r
+        trace.RECORDS.clear()
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -126,6 +141,79 @@ def _timeline_rows(r, rows, case: str) -> list[dict]:
         pos.append({"case": case, "kernel": "[first start to last end]",
                     "median_us": round(ks[-1][2] - ks[0][1], 1), "layers": len(ks)})
     return pos
+
+
+STAMP_COLS = ["first_in", "wait_first", "wait_last", "rope_kv", "attended", "end_median", "end_last"]
+
+
+def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
+    """One replay's stamps (kernel name, int64 [programs, 8] ns, in launch order) -> per
+    launch, times in us relative to the previous launch's last program end."""
+    out, prev_end = [], None
+    for name, b in bufs:
+        b = b.double()
+        ref = prev_end if prev_end is not None else b[:, 1].min()
+        us = lambda v: float((v - ref) / 1e3)  # noqa: E731
+        row = {"kernel": name, "programs": b.shape[0], "sms": int(b[:, 0].unique().numel()),
+               "first_in": us(b[:, 1].min()), "wait_first": us(b[:, 2].min()),
+               "wait_last": us(b[:, 2].max()), "end_median": us(b[:, 5].median()),
+               "end_last": us(b[:, 5].max())}
+        if name == "decode_split":
+            row["rope_kv"] = us(b[:, 3].median())
+            row["attended"] = us(b[:, 4].max())
+        out.append(row)
+        prev_end = b[:, 5].max()
+    return out
+
+
+def fold_stamps(reps: list[list[dict]], layers: int) -> list[dict]:
+    """Per position of the per-layer pattern: the median over layers and replays of each
+    stamp feature."""
+    names = [f["kernel"] for f in reps[0]]
+    found = layer_pattern(names, layers)
+    if found is None:
+        return []
+    s0, p = found
+    n_layers = (len(names) - s0) // p
+    out = []
+    for q in range(p):
+        vals: dict[str, list[float]] = defaultdict(list)
+        for feats in reps:
+            for j in range(n_layers):
+                f = feats[s0 + j * p + q]
+                for c in STAMP_COLS:
+                    if c in f:
+                        vals[c].append(f[c])
+        f0 = reps[0][s0 + q]
+        row = {"pos": q, "kernel": f0["kernel"], "programs": f0["programs"], "sms": f0["sms"]}
+        for c, v in vals.items():
+            v.sort()
+            row[c] = round(v[len(v) // 2], 2)
+        out.append(row)
+    return out
+
+
+def _stamp_rows(r, rows, case: str, steps: int) -> list[dict]:
+    """`steps` replays of the step captured with in-kernel timestamps, folded per layer."""
+    bufs = list(trace.RECORDS)
+    if not bufs:
+        raise RuntimeError("no traced launches were captured (a GPU with graphs is needed)")
+    reps, step_us, tick = [], [], None
+    for _ in range(steps):
+        r.graphs.run_rows(rows)
+        torch.cuda.synchronize()
+        host = [(n, b.cpu()) for n, b in bufs]
+        reps.append(stamp_features(host))
+        allt = torch.cat([b[:, 1:6].reshape(-1) for _, b in host]).unique()
+        d = allt[1:] - allt[:-1]
+        t = int(d[d > 0].min()) if d.numel() else 0
+        tick = t if tick is None else min(tick, t)
+        step_us.append(float(max(b[:, 5].max() for _, b in host) - min(b[:, 1].min() for _, b in host)) / 1e3)
+    step_us.sort()
+    out = [{"case": case, **row} for row in fold_stamps(reps, r.model.arch.num_layers)]
+    out.append({"case": case, "kernel": f"[traced launches {len(bufs)}, timer tick {tick} ns, "
+                f"first entry to last end, median]", "end_last": round(step_us[len(step_us) // 2], 1)})
+    return out
 
 
 def _kernel_sum_rows(r, rows, case: str, steps: int, wall_ms: float) -> list[dict]:
@@ -163,6 +251,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="llama-3.2-1b:1:1024,llama-3.1-8b:1:1024,llama-3.1-8b:64:2048")
     ap.add_argument("--timeline", action="store_true", help="per-layer kernel pattern, in-step times")
+    ap.add_argument("--stamps", action="store_true", help="in-kernel timestamps, per-layer phases")
     ap.add_argument("--table", default=None, help="a candidate skinny-GEMM table file to run with")
     ap.add_argument("--attr", default=None, help="module switches, e.g. engine.kernels.rmsnorm.PDL=True")
     a = ap.parse_args()
@@ -177,8 +266,10 @@ def main() -> None:
     rows = []
     for spec in a.cases.split(","):
         shape, b, c, *flag = spec.split(":")
-        got = profile_case(shape, int(b), int(c), fused=flag == ["fused"], timeline=a.timeline)
-        cols = (["case", "pos", "kernel", "layers", "median_us", "adds_us"] if a.timeline
+        got = profile_case(shape, int(b), int(c), fused=flag == ["fused"], timeline=a.timeline,
+                           stamps=a.stamps)
+        cols = (["case", "pos", "kernel", "programs", "sms", *STAMP_COLS] if a.stamps
+                else ["case", "pos", "kernel", "layers", "median_us", "adds_us"] if a.timeline
                 else ["case", "kernel", "kind", "us_per_step", "launches_per_step"])
         print_table(got, cols)
         rows += got
@@ -186,6 +277,7 @@ def main() -> None:
     if res:
         print_table(res, RES_COLUMNS)
     print("wrote", write_result("step_profile", {"cases": a.cases, "dtype": "bf16", "timeline": a.timeline,
+                                                 "stamps": a.stamps,
                                                  "table": a.table, "attr": a.attr}, {"rows": rows, "kernel_resources": res}))
 
 

@@ -36,3 +36,47 @@ def test_layer_pattern_and_medians():
 def test_no_pattern_is_empty():
     ks = [(f"k{i}", float(i), float(i) + 0.5) for i in range(10)]
     assert per_position(ks, 4) == []
+
+
+def _stamps(programs, entry, wait, end, mids=None):
+    """An int64 [programs, 8] trace buffer (ns): every program the same stamps, except that
+    program i ends i ns later (so the median and last end differ)."""
+    b = torch.zeros((programs, 8), dtype=torch.int64)
+    b[:, 0] = torch.arange(programs) % 3
+    b[:, 1], b[:, 2] = entry, wait
+    b[:, 3], b[:, 4] = mids if mids else (entry, entry)
+    b[:, 5] = end + torch.arange(programs) * 1000
+    return b
+
+
+def test_stamp_features_relative_to_previous_end():
+    from bench.step_profile import stamp_features
+
+    bufs = [("slab_gemv", _stamps(4, 0, 1000, 10_000)),             # ends last at 13 us
+            ("decode_split", _stamps(2, 12_000, 14_000, 20_000, (15_000, 18_000))),
+            ("decode_reduce", _stamps(1, 19_000, 21_500, 22_000))]
+    f = stamp_features(bufs)
+    assert [r["sms"] for r in f] == [3, 2, 1]
+    assert f[0]["end_last"] == 13.0 and f[0]["wait_first"] == 1.0
+    s = f[1]  # relative to 13 us
+    assert (s["first_in"], s["wait_first"], s["rope_kv"], s["attended"], s["end_last"]) == \
+        (-1.0, 1.0, 2.0, 5.0, 8.0)
+    assert "rope_kv" not in f[2] and f[2]["wait_first"] == 0.5 and f[2]["end_last"] == 1.0
+
+
+def test_fold_stamps_takes_medians_per_position():
+    from bench.step_profile import fold_stamps
+
+    def rep(shift):
+        feats = [{"kernel": "embed_norm", "programs": 1, "sms": 1, "end_last": 1.0}]
+        for layer in range(6):
+            feats.append({"kernel": "qkv", "programs": 4, "sms": 4, "wait_first": 1.0 + layer + shift,
+                          "end_last": 12.0})
+            feats.append({"kernel": "attn", "programs": 8, "sms": 8, "rope_kv": 2.0, "end_last": 8.0 + shift})
+        return feats
+
+    rows = fold_stamps([rep(0.0), rep(1.0), rep(2.0)], layers=6)
+    got = {r["kernel"]: r for r in rows}
+    assert set(got) == {"qkv", "attn"}
+    assert got["attn"]["end_last"] == 9.0 and got["attn"]["rope_kv"] == 2.0
+    assert got["qkv"]["wait_first"] == 5.0  # median of 1..6, 2..7, 3..8

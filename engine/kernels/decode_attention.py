@@ -22,7 +22,9 @@ import triton.language as tl
 
 from engine.kernels.common import dot_precision, num_sms, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
+from engine.kernels import trace
 from engine.kernels.rotary import rotate_rows
+from engine.kernels.trace import stamp, stamp_entry
 
 
 LOG2E = 1.4426950408889634
@@ -86,7 +88,11 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                          IS_FP8: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
+                         PREFETCH: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
+                         trace_ptr, TRACE: tl.constexpr):
+    if TRACE:  # engine/kernels/trace.py
+        tpid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+        stamp_entry(trace_ptr, tpid)
     if PDL:
         # Launched with PDL: the CTAs are resident before the previous kernel (rotary + KV
         # write) ends, so its launch latency is hidden; nothing is read before the wait.
@@ -95,6 +101,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         if PDL == 1:
             gdc_launch_dependents()
         gdc_wait()
+        if TRACE:
+            stamp(trace_ptr, tpid, 2, tpid)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,6 +152,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     qk_scale = sm_scale * 1.4426950408889634
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if TRACE:
+        stamp(trace_ptr, tpid, 3, (tl.sum(q.to(tl.float32)) != 0.0).to(tl.int32))
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -168,6 +178,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
 
     if PDL == 2:  # late trigger (engine/kernels/pdl.py): the context is read
         gdc_launch_dependents()
+    if TRACE:
+        stamp(trace_ptr, tpid, 4, (tl.sum(l_i) > 0.0).to(tl.int32))
     if IS_FP8:
         acc = acc * tl.load(v_scale_ptr)
     has = l_i > 0.0  # false for an empty split / empty sequence
@@ -181,16 +193,23 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
         row = (s.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
+    if TRACE:
+        stamp(trace_ptr, tpid, 5, tpid)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
                           D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+    if TRACE:  # engine/kernels/trace.py
+        tpid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        stamp_entry(trace_ptr, tpid)
     if PDL:
         if PDL == 1:
             gdc_launch_dependents()  # see _decode_split_kernel
         gdc_wait()
+        if TRACE:
+            stamp(trace_ptr, tpid, 2, tpid)
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = s.to(tl.int64) * tl.num_programs(1) + h
@@ -209,6 +228,8 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
         gdc_launch_dependents()
     tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
              mask=offs_d < D)
+    if TRACE:
+        stamp(trace_ptr, tpid, 5, tpid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +345,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     pdl = pdl_mode(q.device)
     pdl_split = pdl if PDL_SPLIT else 0
     pdl_reduce = pdl if PDL_REDUCE else 0
+    tr, traced = trace.buffer("decode_split", S * Hkv * num_splits, q)
     _decode_split_kernel[(S, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
@@ -332,11 +354,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl_split))
+        trace_ptr=tr, TRACE=traced, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl_split))
     if num_splits > 1:
+        tr, traced = trace.buffer("decode_reduce", S * Hq, q)
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl_reduce, num_warps=4,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl_reduce,
+            trace_ptr=tr, TRACE=traced, num_warps=4,
             **pdl_launch(pdl_reduce))
     return out
 

@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import trace
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
+from engine.kernels.trace import stamp, stamp_entry
 
 PDL = False  # True: launch with PDL where supported (off: see above; bench.decode_ab --attr-b)
 
@@ -28,13 +30,18 @@ PDL = False  # True: launch with PDL where supported (off: see above; bench.deco
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                     stride_x, stride_r, stride_o, stride_ro, N: tl.constexpr,
-                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+                    trace_ptr, TRACE: tl.constexpr):
+    if TRACE:  # engine/kernels/trace.py
+        stamp_entry(trace_ptr, tl.program_id(0))
     if PDL:
         # the next kernel may launch now (its pre-wait part only reads weights); nothing of
         # the previous kernel's output is read before the wait
         if PDL == 1:
             gdc_launch_dependents()
         gdc_wait()
+        if TRACE:
+            stamp(trace_ptr, tl.program_id(0), 2, tl.program_id(0))
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -51,6 +58,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         gdc_launch_dependents()
     tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
+    if TRACE:
+        stamp(trace_ptr, tl.program_id(0), 5, tl.program_id(0))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -69,11 +78,13 @@ def _launch(x2, r2, weight, out, res_out, eps, N):
     BLOCK = triton.next_power_of_2(N)
     nw = 4 if BLOCK <= 2048 else 8
     pdl = pdl_mode(x2.device) if PDL else 0
+    tr, traced = trace.buffer("rmsnorm", M, x2)
     _rmsnorm_kernel[(M,)](x2, r2 if r2 is not None else x2, weight, out,
                           res_out if res_out is not None else out, float(eps),
                           x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0),
                           (res_out if res_out is not None else out).stride(0),
-                          N=N, BLOCK=BLOCK, HAS_RES=r2 is not None, PDL=pdl, num_warps=nw,
+                          N=N, BLOCK=BLOCK, HAS_RES=r2 is not None, PDL=pdl, trace_ptr=tr,
+                          TRACE=traced, num_warps=nw,
                           **pdl_launch(pdl))
 
 

@@ -70,6 +70,8 @@ from engine.kernels.skinny_configs import SkinnyConfig, default_config
 from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac
 from engine.kernels.slab_gemv import runs as slab_runs
 from engine.kernels.slab_gemv import slab_gemv
+from engine.kernels import trace
+from engine.kernels.trace import stamp, stamp_entry
 
 
 @triton.jit
@@ -81,7 +83,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                         NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
                         HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                         EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+    if TRACE:  # engine/kernels/trace.py
+        tpid = tl.program_id(0) * SPLIT_K + tl.program_id(1)
+        stamp_entry(trace_ptr, tpid)
     if PDL == 1:
         # let the next kernel (launched with PDL) start its own weight prefetch now
         gdc_launch_dependents()
@@ -113,6 +118,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
     w, wu = _load_w(w_rows, u_rows, offs_k0, n_mask, K, SILU, EVEN_K, EVEN_N)
     if PDL:
         gdc_wait()
+    if TRACE:
+        stamp(trace_ptr, tpid, 2, k_start)
     x = _load_x(x_rows, offs_k0, m_mask, K, EVEN_K)
     if PREFETCH_X:
         # register double buffering: chunk i+1's weights and x are requested before chunk
@@ -189,6 +196,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                     ssq += tl.load(ssq_row + s * BLOCK_M, cache_modifier=".cg")
             _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bias_ptr,
                       K, stride_om, stride_rm, eps, adt, NORM, SILU, RESID, HAS_BIAS)
+    if TRACE:
+        stamp(trace_ptr, tpid, 5, k_end)
 
 
 # Split-K arrival counters, one int32 per N tile, per device. The last arriver resets its
@@ -266,6 +275,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         locks = _locks(x.device, n_tiles)
     else:
         ws = ssq_ws = locks = out
+    tr, traced = trace.buffer("skinny_gemm", n_tiles * splits, x)
     _skinny_gemm_kernel[(n_tiles, splits)](
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,
@@ -277,7 +287,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0,
         PREC=dot_precision(torch.float32 if upcast else weight.dtype), UPCAST=upcast,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl))
+        PDL=pdl, trace_ptr=tr, TRACE=traced, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(pdl))
     return out
 
 

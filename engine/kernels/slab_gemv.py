@@ -47,6 +47,8 @@ import triton.language as tl
 from engine.kernels.common import num_sms, programs_that_fit
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.skinny_gemm_parts import _epilogue
+from engine.kernels import trace
+from engine.kernels.trace import stamp, stamp_entry
 
 log = logging.getLogger("splitserve.engine.kernels")
 
@@ -86,7 +88,10 @@ def _rows(w_ptr, rows, r_end, offs_k, K, EVEN_K: tl.constexpr):
 def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up_off,
                       rows_per_prog, eps, R: tl.constexpr, BLOCK_K: tl.constexpr,
                       NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                      trace_ptr, TRACE: tl.constexpr):
+    if TRACE:  # engine/kernels/trace.py
+        stamp_entry(trace_ptr, tl.program_id(0))
     if PDL == 1:
         gdc_launch_dependents()
     r0 = tl.program_id(0) * rows_per_prog  # rows_per_prog: a multiple of R
@@ -100,6 +105,8 @@ def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up
         wu = _rows(w_ptr + up_off.to(tl.int64) * K, r0 + offs_r, r_end, offs_k, K, EVEN_K)
     if PDL:
         gdc_wait()
+    if TRACE:
+        stamp(trace_ptr, tl.program_id(0), 2, r0)
     adt: tl.constexpr = x_ptr.dtype.element_ty
     if EVEN_K:
         x = tl.load(x_ptr + offs_k).to(tl.float32)
@@ -131,6 +138,8 @@ def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up
         wu = wu_next
     if PDL == 2:  # late trigger (engine/kernels/pdl.py)
         gdc_launch_dependents()
+    if TRACE:
+        stamp(trace_ptr, tl.program_id(0), 5, r_end)
 
 
 def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_per_step: int,
@@ -155,10 +164,13 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
     per_sm = programs_per_sm if fit is None else min(programs_per_sm, fit)
     programs = max(1, min(triton.cdiv(N, R), per_sm * num_sms(x.device)))
     per = triton.cdiv(triton.cdiv(N, programs), R) * R
-    compiled = _slab_gemv_kernel[(triton.cdiv(N, per),)](
+    grid = triton.cdiv(N, per)
+    tr, traced = trace.buffer("slab_gemv", grid, x)
+    compiled = _slab_gemv_kernel[(grid,)](
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,
-        N, K, N, per, float(eps), num_warps=num_warps, num_stages=1, **consts, **pdl_launch(pdl))
+        N, K, N, per, float(eps), trace_ptr=tr, TRACE=traced, num_warps=num_warps, num_stages=1, **consts,
+        **pdl_launch(pdl))
     if fit is None and x.is_cuda:
         fit = _fit_of(compiled, num_warps, x.device)
         if fit is not None:

@@ -50,6 +50,12 @@ VARIANTS = [
     ("rmsnorm", "_rmsnorm_kernel", dict(N=4096, BLOCK=4096, HAS_RES=False, PDL=1), 8, 1, {}),
     ("rmsnorm", "_rmsnorm_kernel", dict(N=4096, BLOCK=4096, HAS_RES=True, PDL=0), 8, 1, {}),
     ("rope_kv_write", "_rope_kv_write_kernel", dict(ROPE_KV, PDL=2), 4, 1, {}),
+    # in-kernel timestamps (engine/kernels/trace.py, a GPU-only diagnostic)
+    ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, TRACE=1), 8, 3, {}),
+    ("decode_attention", "_decode_reduce_kernel", dict(D=128, D_PAD=128, SPLITS_PAD=64, PDL=1, TRACE=1), 4, 1, {}),
+    ("skinny_gemm", "_skinny_gemm_kernel", dict(SKINNY, PDL=1, TRACE=1), 8, 1, {}),
+    ("slab_gemv", "_slab_gemv_kernel", dict(SLAB, PDL=1, TRACE=1), 8, 1, {}),
+    ("rmsnorm", "_rmsnorm_kernel", dict(N=4096, BLOCK=4096, HAS_RES=False, PDL=0, TRACE=1), 8, 1, {}),
     ("prefill_attention", "_prefill_kernel", dict(G=4, G_PAD=4, D=128, D_PAD=128, BS=16, BLOCK_Q=64,
                                                    BLOCK_N=64, IS_FP8=False, PREC=None, UPCAST=False), 4, 2, {}),
 ]
@@ -62,7 +68,8 @@ def _signature(fn, constexprs: dict, overrides: dict):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = overrides.get(name) or ("*i32" if name in I32_PTRS else
+            sig[name] = overrides.get(name) or ("*i64" if name == "trace_ptr" else
+                                                "*i32" if name in I32_PTRS else
                                                 "*fp32" if name in F32_PTRS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOATS:
@@ -83,9 +90,11 @@ def compile_variant(module: str, kernel: str, constexprs: dict, warps: int, stag
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(f"engine.kernels.{module}"), kernel)
+    if "TRACE" in inspect.signature(fn.fn).parameters:
+        constexprs = {"TRACE": 0, **constexprs}
     sig, attrs = _signature(fn, constexprs, overrides)
     row = {"kernel": kernel, "variant": {k: v for k, v in constexprs.items()
-                                         if k in ("PDL", "ROPE", "USE_DOT", "IS_FP8", "SPLIT_K")}}
+                                         if k in ("PDL", "ROPE", "USE_DOT", "IS_FP8", "SPLIT_K", "TRACE")}}
     try:
         k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=warps, num_stages=stages))
@@ -93,7 +102,8 @@ def compile_variant(module: str, kernel: str, constexprs: dict, warps: int, stag
         return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
     ptx = k.asm["ptx"]
     row.update(ok=True, has_wait="griddepcontrol.wait" in ptx,
-               has_trigger="griddepcontrol.launch_dependents" in ptx, shared=k.metadata.shared)
+               has_trigger="griddepcontrol.launch_dependents" in ptx, has_timer="%globaltimer" in ptx,
+               shared=k.metadata.shared)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if os.path.exists(ptxas):  # registers: informative only (they differ between releases)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

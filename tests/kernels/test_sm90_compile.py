@@ -40,3 +40,11 @@ def test_pdl_instructions_follow_the_pdl_constexpr(compiled):
             assert not r["has_wait"] and not r["has_trigger"], r
         else:  # 1 (trigger at the start) or 2 (late): both wait and trigger
             assert r["has_wait"] and r["has_trigger"], r
+
+
+def test_timestamps_only_when_traced(compiled):
+    """engine/kernels/trace.py: TRACE=1 reads %globaltimer; off (the default) compiles it out."""
+    traced = [r for r in compiled if r["variant"].get("TRACE")]
+    assert len(traced) == 5
+    for r in compiled:
+        assert r["has_timer"] == bool(r["variant"].get("TRACE")), r

@@ -1,0 +1,79 @@
+"""In-kernel timestamps, a diagnostic (off by default, and then compiled out).
+
+With ENABLED set before a launch (or a CUDA-graph capture), the traced kernels (the decode
+step's: slab GEMV, skinny GEMM, decode attention split and reduce, rmsnorm) write, per
+program, the SM it ran on and %globaltimer (ns, one clock for all SMs) at fixed checkpoints
+into a buffer allocated for that launch and appended to RECORDS:
+
+    slot 0  SM id
+    slot 1  entry (the program is resident; with PDL possibly before the previous kernel ends)
+    slot 2  after the grid-dependency wait (== entry without PDL)
+    slot 3  decode split only: rotary done, the new token's K/V written (else = entry)
+    slot 4  decode split only: its K/V tiles attended (else = entry)
+    slot 5  end (the program's last store issued)
+
+bench.step_profile --stamps replays a decode step captured with them and folds the stamps
+into the per-layer pattern, relative to the previous kernel's last program end: how long a
+kernel's wait is released after its predecessor ends, how long its own prologue takes,
+how its programs' ends spread. That is what the CUPTI timeline (first program start, last
+program end) cannot show.
+
+A stamp is a store per program (every thread stores the same value); it costs a few
+instructions, so traced steps run slightly slower: compare phases, not step totals.
+The Triton interpreter has no %globaltimer: tracing is GPU-only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = False
+SLOTS = 8
+# (kernel name, int64 [programs, SLOTS]) per traced launch, in launch order; only launches
+# made while a CUDA graph is being captured are kept when CAPTURED_ONLY (a replay rewrites
+# those buffers in place, so after one replay they hold that replay's stamps)
+RECORDS: list[tuple[str, torch.Tensor]] = []
+CAPTURED_ONLY = True
+
+
+def buffer(name: str, programs: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(trace buffer, TRACE constexpr) for one launch: a fresh [programs, SLOTS] int64 buffer
+    and 1 when tracing, else (like, 0) (a dummy pointer, never written)."""
+    if not ENABLED or like.device.type != "cuda":
+        return like, 0
+    buf = torch.empty((programs, SLOTS), dtype=torch.int64, device=like.device)  # no fill kernel
+    if not CAPTURED_ONLY or torch.cuda.is_current_stream_capturing():
+        RECORDS.append((name, buf))
+    return buf, 1
+
+
+@triton.jit
+def now(dep):
+    """%globaltimer, read after `dep` (an int32 scalar) is available: the asm takes it as an
+    operand, so the read cannot be hoisted above the work that produced it."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def sm_id():
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def stamp(trace_ptr, pid, slot: tl.constexpr, dep):
+    tl.store(trace_ptr + pid.to(tl.int64) * 8 + slot, now(dep))
+
+
+@triton.jit
+def stamp_entry(trace_ptr, pid):
+    """slots 0 (SM) and 1 (entry); slots 2-4 default to the entry (kernels overwrite them)."""
+    t = now(pid)
+    row = trace_ptr + pid.to(tl.int64) * 8
+    tl.store(row, sm_id().to(tl.int64))
+    tl.store(row + 1, t)
+    tl.store(row + 2, t)
+    tl.store(row + 3, t)
+    tl.store(row + 4, t)
