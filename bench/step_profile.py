@@ -143,7 +143,8 @@ def _timeline_rows(r, rows, case: str) -> list[dict]:
     return pos
 
 
-STAMP_COLS = ["first_in", "wait_first", "wait_last", "rope_kv", "attended", "end_median", "end_last"]
+STAMP_COLS = ["first_in", "wait_first", "wait_last", "rope_kv", "attended", "end_median", "end_last",
+              "unwritten"]
 
 
 def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
@@ -152,12 +153,18 @@ def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
     out, prev_end = [], None
     for name, b in bufs:
         b = b.double()
+        # a row no program wrote (stale memory) lies far from the others: left out, counted
+        ok = (b[:, 1] > 0) & ((b[:, 1] - b[:, 1].median()).abs() < 1e9) & (b[:, 5] >= b[:, 1])
+        bad = int((~ok).sum())
+        b = b[ok] if bool(ok.any()) else b
         ref = prev_end if prev_end is not None else b[:, 1].min()
         us = lambda v: float((v - ref) / 1e3)  # noqa: E731
         row = {"kernel": name, "programs": b.shape[0], "sms": int(b[:, 0].unique().numel()),
                "first_in": us(b[:, 1].min()), "wait_first": us(b[:, 2].min()),
                "wait_last": us(b[:, 2].max()), "end_median": us(b[:, 5].median()),
                "end_last": us(b[:, 5].max())}
+        if bad:
+            row["unwritten"] = bad
         if name == "decode_split":
             row["rope_kv"] = us(b[:, 3].median())
             row["attended"] = us(b[:, 4].max())
@@ -203,12 +210,14 @@ def _stamp_rows(r, rows, case: str, steps: int) -> list[dict]:
         r.graphs.run_rows(rows)
         torch.cuda.synchronize()
         host = [(n, b.cpu()) for n, b in bufs]
-        reps.append(stamp_features(host))
+        feats = stamp_features(host)
+        reps.append(feats)
         allt = torch.cat([b[:, 1:6].reshape(-1) for _, b in host]).unique()
         d = allt[1:] - allt[:-1]
         t = int(d[d > 0].min()) if d.numel() else 0
         tick = t if tick is None else min(tick, t)
-        step_us.append(float(max(b[:, 5].max() for _, b in host) - min(b[:, 1].min() for _, b in host)) / 1e3)
+        # first entry to last end: each launch's end_last is relative to the one before it
+        step_us.append(sum(f["end_last"] for f in feats))
     step_us.sort()
     out = [{"case": case, **row} for row in fold_stamps(reps, r.model.arch.num_layers)]
     out.append({"case": case, "kernel": f"[traced launches {len(bufs)}, timer tick {tick} ns, "

@@ -80,3 +80,12 @@ def test_fold_stamps_takes_medians_per_position():
     assert set(got) == {"qkv", "attn"}
     assert got["attn"]["end_last"] == 9.0 and got["attn"]["rope_kv"] == 2.0
     assert got["qkv"]["wait_first"] == 5.0  # median of 1..6, 2..7, 3..8
+
+
+def test_stamp_features_leave_out_unwritten_rows():
+    from bench.step_profile import stamp_features
+
+    b = _stamps(4, 5_000_000_000, 5_000_001_000, 5_000_010_000)
+    b[2, 1:6] = 0  # a row no program wrote
+    f = stamp_features([("slab_gemv", b)])[0]
+    assert f["unwritten"] == 1 and f["end_last"] == 13.0  # program 3: 10 us + 3 ns * 1000
