@@ -143,8 +143,8 @@ def _timeline_rows(r, rows, case: str) -> list[dict]:
     return pos
 
 
-STAMP_COLS = ["first_in", "wait_first", "wait_last", "rope_kv", "attended", "end_median", "end_last",
-              "unwritten"]
+STAMP_COLS = ["first_in", "in_median", "wait_first", "wait_last", "rope_kv", "probe_bt", "probe_kv",
+              "attended", "end_median", "end_last", "unwritten"]
 
 
 def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
@@ -160,7 +160,8 @@ def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
         ref = prev_end if prev_end is not None else b[:, 1].min()
         us = lambda v: float((v - ref) / 1e3)  # noqa: E731
         row = {"kernel": name, "programs": b.shape[0], "sms": int(b[:, 0].unique().numel()),
-               "first_in": us(b[:, 1].min()), "wait_first": us(b[:, 2].min()),
+               "first_in": us(b[:, 1].min()), "in_median": us(b[:, 1].median()),
+               "wait_first": us(b[:, 2].min()),
                "wait_last": us(b[:, 2].max()), "end_median": us(b[:, 5].median()),
                "end_last": us(b[:, 5].max())}
         if bad:
@@ -168,6 +169,9 @@ def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
         if name == "decode_split":
             row["rope_kv"] = us(b[:, 3].median())
             row["attended"] = us(b[:, 4].max())
+            if bool((b[:, 7] > b[:, 1]).any()):  # trace.PROBE: block ids, then K/V loaded
+                row["probe_bt"] = us(b[:, 6].median())
+                row["probe_kv"] = us(b[:, 7].median())
         out.append(row)
         prev_end = b[:, 5].max()
     return out

@@ -155,6 +155,12 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     if TRACE:
         stamp(trace_ptr, tpid, 3, (tl.sum(q.to(tl.float32)) != 0.0).to(tl.int32))
 
+    if TRACE == 2:  # engine/kernels/trace.py PROBE: the first tile's loads, timed alone
+        offs_p = start + tl.arange(0, BLOCK_N)
+        blk_p = tl.load(bt_row + offs_p // BS, mask=offs_p < end, other=0)
+        stamp(trace_ptr, tpid, 6, tl.max(blk_p, 0))
+        k_p, v_p = _load_kv_tile(k_base, v_base, bt_row, offs_p, end, offs_d, d_mask, stride_c_slot, BS)
+        stamp(trace_ptr, tpid, 7, (tl.sum(k_p.to(tl.float32)) + tl.sum(v_p.to(tl.float32)) != 0.0).to(tl.int32))
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)

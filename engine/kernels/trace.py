@@ -11,6 +11,9 @@ into a buffer allocated for that launch and appended to RECORDS:
     slot 3  decode split only: rotary done, the new token's K/V written (else = entry)
     slot 4  decode split only: its K/V tiles attended (else = entry)
     slot 5  end (the program's last store issued)
+    slots 6, 7  decode split with PROBE only: its first tile's block ids loaded, then that
+            tile's K and V loaded (a probe: loaded once more, timed on their own, before the
+            attention loop reads them again, from cache; so PROBE shortens the later phases)
 
 bench.step_profile --stamps replays a decode step captured with them and folds the stamps
 into the per-layer pattern, relative to the previous kernel's last program end: how long a
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 
 ENABLED = False
+PROBE = False  # also time the decode split's first block-id and K/V loads (slots 6, 7)
 SLOTS = 8
 # (kernel name, int64 [programs, SLOTS]) per traced launch, in launch order; only launches
 # made while a CUDA graph is being captured are kept when CAPTURED_ONLY (a replay rewrites
@@ -39,13 +43,13 @@ CAPTURED_ONLY = True
 
 def buffer(name: str, programs: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(trace buffer, TRACE constexpr) for one launch: a fresh [programs, SLOTS] int64 buffer
-    and 1 when tracing, else (like, 0) (a dummy pointer, never written)."""
+    and 1 when tracing (2 with PROBE), else (like, 0) (a dummy pointer, never written)."""
     if not ENABLED or like.device.type != "cuda":
         return like, 0
     buf = torch.empty((programs, SLOTS), dtype=torch.int64, device=like.device)  # no fill kernel
     if not CAPTURED_ONLY or torch.cuda.is_current_stream_capturing():
         RECORDS.append((name, buf))
-    return buf, 1
+    return buf, 2 if PROBE else 1
 
 
 @triton.jit

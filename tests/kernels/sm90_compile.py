@@ -52,6 +52,7 @@ VARIANTS = [
     ("rope_kv_write", "_rope_kv_write_kernel", dict(ROPE_KV, PDL=2), 4, 1, {}),
     # in-kernel timestamps (engine/kernels/trace.py, a GPU-only diagnostic)
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, TRACE=1), 8, 3, {}),
+    ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, TRACE=2), 8, 3, {}),
     ("decode_attention", "_decode_reduce_kernel", dict(D=128, D_PAD=128, SPLITS_PAD=64, PDL=1, TRACE=1), 4, 1, {}),
     ("skinny_gemm", "_skinny_gemm_kernel", dict(SKINNY, PDL=1, TRACE=1), 8, 1, {}),
     ("slab_gemv", "_slab_gemv_kernel", dict(SLAB, PDL=1, TRACE=1), 8, 1, {}),

@@ -45,6 +45,6 @@ def test_pdl_instructions_follow_the_pdl_constexpr(compiled):
 def test_timestamps_only_when_traced(compiled):
     """engine/kernels/trace.py: TRACE=1 reads %globaltimer; off (the default) compiles it out."""
     traced = [r for r in compiled if r["variant"].get("TRACE")]
-    assert len(traced) == 5
+    assert len(traced) == 6
     for r in compiled:
         assert r["has_timer"] == bool(r["variant"].get("TRACE")), r
