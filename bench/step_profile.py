@@ -104,7 +104,7 @@ def step_kernels(prof) -> list[tuple[str, float, float]]:
 @torch.inference_mode()
 def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool = False,
                  timeline: bool = False, stamps: bool = False) -> list[dict]:
-    trace.RECORDS.clear()
+    trace.reset()
     trace.ENABLED = stamps  # read by every launch, the graph capture's included
     try:
         eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
@@ -125,7 +125,7 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
         return _kernel_sum_rows(r, rows, case, steps, wall_ms)
     finally:
         del eng, r
-        trace.RECORDS.clear()
+        trace.reset()
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -169,7 +169,8 @@ def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
         if name == "decode_split":
             row["rope_kv"] = us(b[:, 3].median())
             row["attended"] = us(b[:, 4].max())
-            if bool((b[:, 7] > b[:, 1]).any()):  # trace.PROBE: block ids, then K/V loaded
+            if bool(((b[:, 6] >= b[:, 1]) & (b[:, 7] >= b[:, 6]) & (b[:, 7] <= b[:, 5])).all()):
+                # trace.PROBE: block ids, then K/V loaded
                 row["probe_bt"] = us(b[:, 6].median())
                 row["probe_kv"] = us(b[:, 7].median())
         out.append(row)
@@ -206,9 +207,14 @@ def fold_stamps(reps: list[list[dict]], layers: int) -> list[dict]:
 
 def _stamp_rows(r, rows, case: str, steps: int) -> list[dict]:
     """`steps` replays of the step captured with in-kernel timestamps, folded per layer."""
-    bufs = list(trace.RECORDS)
-    if not bufs:
-        raise RuntimeError("no traced launches were captured (a GPU with graphs is needed)")
+    g = r.graphs
+    captured = [b for b in reversed(g.buckets) if b in g.graphs]  # capture order: largest first
+    per = len(trace.RECORDS) // max(1, len(captured))
+    if not per or per * len(captured) != len(trace.RECORDS):
+        raise RuntimeError(f"{len(trace.RECORDS)} traced launches for {len(captured)} captured "
+                           "buckets (a GPU with graphs is needed)")
+    i = captured.index(g.bucket_for(len(rows)))
+    bufs = trace.RECORDS[i * per:(i + 1) * per]  # the replayed bucket's launches
     reps, step_us, tick = [], [], None
     for _ in range(steps):
         r.graphs.run_rows(rows)

@@ -41,13 +41,52 @@ RECORDS: list[tuple[str, torch.Tensor]] = []
 CAPTURED_ONLY = True
 
 
+# Every traced launch of a capture gets its own slice of one arena allocated up front: a
+# buffer from the allocator could reuse the memory of a tensor freed a moment ago (the
+# attention's partial outputs, say) while the kernel that still uses it runs (PDL lets the
+# next kernels start early, and the entry stamp is written before the grid-dependency wait),
+# so the stamps and that kernel's data would overwrite each other. Launches outside a capture
+# (warm-up, eager) share a scratch slice at the arena's start that is never read back.
+ARENA_ROWS = 1 << 21  # [ARENA_ROWS, SLOTS] int64: 128 MiB, allocated at the first traced launch
+SCRATCH_ROWS = 1 << 17
+_arena: dict = {}
+
+
+def _slice(device: torch.device, programs: int, keep: bool) -> torch.Tensor:
+    key = (device.type, device.index)
+    st = _arena.get(key)
+    if st is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("trace: the arena must be allocated before a capture (trace a "
+                               "warm-up launch first, as the graph runners do)")
+        st = _arena[key] = [torch.empty((ARENA_ROWS, SLOTS), dtype=torch.int64, device=device),
+                            SCRATCH_ROWS]
+    arena, used = st
+    if programs > SCRATCH_ROWS:
+        raise RuntimeError(f"trace: {programs} programs exceed the scratch slice")
+    if not keep:
+        return arena[:programs]
+    if used + programs > ARENA_ROWS:
+        raise RuntimeError("trace: arena full (call trace.reset() between traced captures)")
+    st[1] = used + programs
+    return arena[used:used + programs]
+
+
+def reset() -> None:
+    """Forget the records; the arena's slices are handed out again from the start."""
+    RECORDS.clear()
+    for st in _arena.values():
+        st[1] = SCRATCH_ROWS
+
+
 def buffer(name: str, programs: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(trace buffer, TRACE constexpr) for one launch: a fresh [programs, SLOTS] int64 buffer
-    and 1 when tracing (2 with PROBE), else (like, 0) (a dummy pointer, never written)."""
+    """(trace buffer, TRACE constexpr) for one launch: a [programs, SLOTS] int64 slice of the
+    arena and 1 when tracing (2 with PROBE), else (like, 0) (a dummy pointer, never written)."""
     if not ENABLED or like.device.type != "cuda":
         return like, 0
-    buf = torch.empty((programs, SLOTS), dtype=torch.int64, device=like.device)  # no fill kernel
-    if not CAPTURED_ONLY or torch.cuda.is_current_stream_capturing():
+    keep = not CAPTURED_ONLY or torch.cuda.is_current_stream_capturing()
+    buf = _slice(like.device, programs, keep)
+    if keep:
         RECORDS.append((name, buf))
     return buf, 2 if PROBE else 1
 
