@@ -96,6 +96,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """rms_norm into out: x [M, hidden], out [M, hidden] with a unit column stride."""
+    x2, N = _check(x, weight)
+    if out.shape != x2.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} is not {tuple(x2.shape)} with a unit column stride")
+    _launch(x2, None, weight, out, None, eps, N)
+    return out
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual') * weight, residual') as new

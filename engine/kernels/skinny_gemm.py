@@ -67,7 +67,7 @@ import triton.language as tl
 from engine.kernels.common import dot_precision, upcast_dots
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
-from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac
+from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac, _next_norm
 from engine.kernels.slab_gemv import runs as slab_runs
 from engine.kernels.slab_gemv import slab_gemv
 from engine.kernels import trace
@@ -83,7 +83,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                         NORM: tl.constexpr, SILU: tl.constexpr, RESID: tl.constexpr,
                         HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                         EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                        PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+                        PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+                        nn_w_ptr, nn_out_ptr, nn_cnt_ptr, stride_nm, nn_eps, NEXT_NORM: tl.constexpr,
+                        NN_BLOCK: tl.constexpr):
     if TRACE:  # engine/kernels/trace.py
         tpid = tl.program_id(0) * SPLIT_K + tl.program_id(1)
         stamp_entry(trace_ptr, tpid)
@@ -196,8 +198,45 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, ws_ptr
                     ssq += tl.load(ssq_row + s * BLOCK_M, cache_modifier=".cg")
             _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bias_ptr,
                       K, stride_om, stride_rm, eps, adt, NORM, SILU, RESID, HAS_BIAS)
+    if NEXT_NORM:  # SPLIT_K == 1 (the launcher checks): this program's rows are stored
+        _next_norm(nn_cnt_ptr, out_ptr, nn_w_ptr, nn_out_ptr, M, N, stride_om, stride_nm, nn_eps,
+                   NN_BLOCK, out_ptr.dtype.element_ty)
     if TRACE:
         stamp(trace_ptr, tpid, 5, k_end)
+
+
+# The next-norm arrival count (skinny_linear's next_norm), one int32 per device; like the
+# split-K counters, reset by its last arriver, allocated before any capture.
+_NN_COUNT: dict[tuple[str, int | None], torch.Tensor] = {}
+# next_norm's last arriver normalises every row alone: worth it only for a few rows
+NEXT_NORM_MAX_M = 1
+
+
+def _nn_count(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    buf = _NN_COUNT.get(key)
+    if buf is None:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_linear: the next-norm counter must be allocated before CUDA-graph "
+                               "capture (run the batch once eagerly first, as the graph warm-up does)")
+        buf = _NN_COUNT[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return buf
+
+
+def next_norm_fuses(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> bool:
+    """Whether skinny_linear(next_norm=...) on an [m, k] x [n, k] matmul normalises its
+    result in its own last program (else it runs the rmsnorm kernel after it)."""
+    if m > NEXT_NORM_MAX_M:
+        return False
+    cfg = default_config(m, n, k, torch.device(device), silu)
+    return not cfg.cublas and not (cfg.slab and m == 1) and cfg.k_split(k)[0] == 1
+
+
+def norm_separate(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> bool:
+    """Whether skinny_linear(norm_weight=...) runs the norm as a kernel of its own (the tuned
+    config's norm_separate, or cuBLAS) rather than inside the matmul."""
+    cfg = default_config(m, n, k, torch.device(device), silu)
+    return cfg.cublas or cfg.norm_separate
 
 
 # Split-K arrival counters, one int32 per N tile, per device. The last arriver resets its
@@ -224,11 +263,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
                   residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, config: SkinnyConfig | None = None,
-                  pdl: bool | None = None) -> torch.Tensor:
+                  pdl: bool | None = None, cut: bool = False,
+                  next_norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] (row stride free, unit column stride), weight [N_w, K] contiguous rows.
     Returns out [M, N] with N = N_w (or N_w / 2 with silu). See the module docstring for
     norm_weight / silu / residual / bias. out may be `residual` itself (in place).
-    pdl: launch with programmatic dependent launch (None: where supported)."""
+    pdl: launch with programmatic dependent launch (None: where supported).
+    cut: launch WITHOUT the PDL attribute (this kernel starts once the previous one ended, its
+    programs spread over an idle GPU) while still letting the next kernel launch early.
+    next_norm = (weight [N], eps, norm_out [M, N]): also write rmsnorm(out) * weight to
+    norm_out (the next matmul's input norm, rounded like engine.kernels.rmsnorm), by the
+    matmul's last program where next_norm_fuses says so, else by the rmsnorm kernel after it."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K], [N, K]")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -250,9 +295,23 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     elif out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"out {tuple(out.shape)} is not [{M}, {N}] with unit column stride")
+    if next_norm is not None:
+        nn_w, nn_eps, nn_out = next_norm
+        if nn_w.shape != (N,) or nn_out.shape != (M, N) or nn_out.stride(1) != 1:
+            raise ValueError(f"next_norm weight {tuple(nn_w.shape)} / out {tuple(nn_out.shape)} do not "
+                             f"match the [{M}, {N}] result")
     if M == 0:
         return out
     cfg = config or default_config(M, N, K, x.device, silu)
+    fuse_nn = (next_norm is not None and M <= NEXT_NORM_MAX_M and not cfg.cublas
+               and not (cfg.slab and slab_runs(M, weight)) and cfg.k_split(K)[0] == 1)
+    if next_norm is not None and not fuse_nn:
+        from engine.kernels.rmsnorm import rms_norm_into
+
+        skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
+                      residual=residual, out=out, config=cfg, pdl=pdl, cut=cut)
+        rms_norm_into(out, nn_w, nn_eps, nn_out)
+        return out
     if cfg.cublas:
         return _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out)
     if norm_weight is not None and cfg.norm_separate:
@@ -262,10 +321,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if cfg.slab and slab_runs(M, weight):
         return slab_gemv(x, weight, out, rows_per_step=cfg.block_n, programs_per_sm=cfg.slab,
                          num_warps=cfg.num_warps, bias=bias, norm_weight=norm_weight, eps=eps,
-                         silu=silu, residual=residual, pdl=pdl)
+                         silu=silu, residual=residual, pdl=pdl, cut=cut)
     bm = cfg.block_m(M)
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
     pdl = pdl_mode(x.device, pdl)
+    launch = pdl_launch(pdl and not cut)
     n_tiles = triton.cdiv(N, cfg.block_n)
     splits, k_per = cfg.k_split(K)
     if splits > 1:
@@ -275,6 +335,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         locks = _locks(x.device, n_tiles)
     else:
         ws = ssq_ws = locks = out
+    nn_w, nn_out, nn_cnt = (next_norm[0], next_norm[2], _nn_count(x.device)) if fuse_nn else (out, out, out)
     tr, traced = trace.buffer("skinny_gemm", n_tiles * splits, x)
     _skinny_gemm_kernel[(n_tiles, splits)](
         x, weight, out, residual if residual is not None else out,
@@ -287,8 +348,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0,
         PREC=dot_precision(torch.float32 if upcast else weight.dtype), UPCAST=upcast,
-        PDL=pdl, trace_ptr=tr, TRACE=traced, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(pdl))
+        PDL=pdl, trace_ptr=tr, TRACE=traced, nn_w_ptr=nn_w, nn_out_ptr=nn_out, nn_cnt_ptr=nn_cnt,
+        stride_nm=nn_out.stride(0), nn_eps=float(next_norm[1]) if fuse_nn else 0.0, NEXT_NORM=fuse_nn, NN_BLOCK=triton.next_power_of_2(N) if fuse_nn else 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     return out
 
 

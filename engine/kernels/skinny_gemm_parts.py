@@ -92,3 +92,29 @@ def _epilogue(y, y_u, ssq, offs_m, offs_n, m_mask, n_mask, out_ptr, res_ptr, bia
         y = y.to(x_dtype).to(tl.float32) + r.to(tl.float32)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
              y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _next_norm(cnt_ptr, y_ptr, w_ptr, out_ptr, M, N, stride_ym, stride_om, eps,
+               BLOCK: tl.constexpr, adt: tl.constexpr):
+    """Called by every program after its last store of y: the LAST program to arrive
+    (a gpu-scope arrival count) normalises the finished rows y[:M, :N] into out, rounded
+    like engine.kernels.rmsnorm (HF: (x * rstd) to the dtype, times the weight, to the
+    dtype), and resets the count for the next launch. So the next matmul's input norm needs
+    no kernel of its own (skinny_linear's next_norm)."""
+    # every thread's stores of y are ordered before the (single-thread) gpu-scope release of
+    # the count; the last arriver acquires, so it sees all programs' rows
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.store(cnt_ptr, 0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        g = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for m in range(M):
+            # .cg: straight from L2 (other SMs wrote these rows; L1 is not coherent)
+            x = tl.load(y_ptr + m * stride_ym + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+            yv = (xf * rstd).to(adt).to(tl.float32)
+            tl.store(out_ptr + m * stride_om + offs, (g * yv).to(adt), mask=mask)

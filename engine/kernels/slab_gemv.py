@@ -145,9 +145,11 @@ def _slab_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, up
 def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_per_step: int,
               programs_per_sm: int, num_warps: int, bias: torch.Tensor | None = None,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
-              residual: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None, pdl: bool | None = None,
+              cut: bool = False) -> torch.Tensor:
     """x [1, K] (unit stride), weight [N_w, K] contiguous, out [1, N] (N = N_w, or N_w / 2
-    with silu) with unit stride; residual [1, N] (may be out). Shapes are checked by the
+    with silu) with unit stride; residual [1, N] (may be out). cut: launched without the PDL
+    attribute, still letting the next kernel launch early (skinny_linear's cut). Shapes are checked by the
     caller (engine.kernels.skinny_gemm.skinny_linear)."""
     if not runs(x.shape[0], weight):
         raise ValueError(f"slab GEMV: one row and contiguous weight rows of K <= {MAX_K}, got x "
@@ -170,7 +172,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,
         N, K, N, per, float(eps), trace_ptr=tr, TRACE=traced, num_warps=num_warps, num_stages=1, **consts,
-        **pdl_launch(pdl))
+        **pdl_launch(pdl and not cut))
     if fit is None and x.is_cuda:
         fit = _fit_of(compiled, num_warps, x.device)
         if fit is not None:

@@ -39,6 +39,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # after it from launching before it ends (a cut in the step's PDL chain). A tuning switch for
 # whole-step A/Bs (bench.decode_ab --attr-b "engine.models.llama.SKINNY_PDL={'o_proj': False}").
 SKINNY_PDL: dict[str, bool | None] = {}
+# Where the tuned table runs gate_up's input norm as a kernel of its own (the 8B one-row
+# step), o_proj's last program computes it instead (skinny_linear's next_norm) and gate_up is
+# launched after o_proj ends without the PDL attribute (the cut the rmsnorm kernel made;
+# engine/kernels/rmsnorm.py says why it matters). A switch for whole-step A/Bs.
+FUSE_NEXT_NORM = False
 
 
 class Attention(torch.nn.Module):
@@ -103,7 +108,7 @@ class DecoderLayer(torch.nn.Module):
     def forward_fused(self, rope, res, kv_cache, meta, kv_scales):
         """Decode fast path: `res` [T, H] is the residual stream, updated IN PLACE.
         4 skinny-GEMM launches: norm+qkv, o_proj+residual, norm+gate_up+silu, down+residual."""
-        from engine.kernels.skinny_gemm import skinny_linear
+        from engine.kernels.skinny_gemm import next_norm_fuses, norm_separate, skinny_linear
 
         a, m = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
@@ -111,9 +116,17 @@ class DecoderLayer(torch.nn.Module):
         qkv = skinny_linear(res, a.qkv_proj.weight, a.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps,
                             pdl=pdl("qkv"))
         o = a.attend(rope, qkv, kv_cache, meta, kv_scales)
-        skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"))
-        act = skinny_linear(res, m.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu=True,
-                            pdl=pdl("gate_up"))
+        rows, hidden = res.shape
+        gu = m.gate_up_proj.weight
+        if (FUSE_NEXT_NORM and norm_separate(rows, gu.shape[0] // 2, hidden, res.device, silu=True)
+                and next_norm_fuses(rows, hidden, o.shape[1], res.device)):
+            normed = torch.empty_like(res)
+            skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"),
+                          next_norm=(ln2.weight, ln2.eps, normed))
+            act = skinny_linear(normed, gu, silu=True, pdl=pdl("gate_up"), cut=True)
+        else:
+            skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"))
+            act = skinny_linear(res, gu, norm_weight=ln2.weight, eps=ln2.eps, silu=True, pdl=pdl("gate_up"))
         skinny_linear(act, m.down_proj.weight, residual=res, out=res, pdl=pdl("down"))
 
 
@@ -177,7 +190,7 @@ class CausalLM(torch.nn.Module):
         materialising an fp32 copy of a 128k-vocab lm_head per step would cost GBs."""
         w = self.lm_head_weight
         if self._use_skinny(hidden):
-            from engine.kernels.skinny_gemm import skinny_linear
+            from engine.kernels.skinny_gemm import next_norm_fuses, norm_separate, skinny_linear
 
             return skinny_linear(hidden.to(w.dtype), w, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden.to(w.dtype), w).float()

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-FLOATS = {"eps", "sm_scale"}
-I32_PTRS = {"lock_ptr", "bt_ptr", "seq_lens_ptr", "idx_ptr", "slot_ptr", "qsl_ptr"}
+FLOATS = {"eps", "sm_scale", "nn_eps"}
+I32_PTRS = {"nn_cnt_ptr", "lock_ptr", "bt_ptr", "seq_lens_ptr", "idx_ptr", "slot_ptr", "qsl_ptr"}
 F32_PTRS = {"ws_ptr", "ssq_ws_ptr", "part_o_ptr", "part_lse_ptr", "cos_ptr", "sin_ptr",
             "k_scale_ptr", "v_scale_ptr"}
 SPLIT = dict(G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=128, DIRECT=False, IS_FP8=False,
@@ -50,6 +50,9 @@ VARIANTS = [
     ("rmsnorm", "_rmsnorm_kernel", dict(N=4096, BLOCK=4096, HAS_RES=False, PDL=1), 8, 1, {}),
     ("rmsnorm", "_rmsnorm_kernel", dict(N=4096, BLOCK=4096, HAS_RES=True, PDL=0), 8, 1, {}),
     ("rope_kv_write", "_rope_kv_write_kernel", dict(ROPE_KV, PDL=2), 4, 1, {}),
+    # the next matmul's rmsnorm by the last program (skinny_linear's next_norm), o_proj's tile
+    ("skinny_gemm", "_skinny_gemm_kernel", dict(SKINNY, PDL=1, ONE_CHUNK=False, BLOCK_N=4, BLOCK_K=512,
+                                                SILU=False, RESID=True, NEXT_NORM=True, NN_BLOCK=4096), 4, 3, {}),
     # in-kernel timestamps (engine/kernels/trace.py, a GPU-only diagnostic)
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, TRACE=1), 8, 3, {}),
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, TRACE=2), 8, 3, {}),
@@ -91,8 +94,11 @@ def compile_variant(module: str, kernel: str, constexprs: dict, warps: int, stag
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(f"engine.kernels.{module}"), kernel)
-    if "TRACE" in inspect.signature(fn.fn).parameters:
+    params = inspect.signature(fn.fn).parameters
+    if "TRACE" in params:
         constexprs = {"TRACE": 0, **constexprs}
+    if "NEXT_NORM" in params:
+        constexprs = {"NEXT_NORM": False, "NN_BLOCK": 1, **constexprs}
     sig, attrs = _signature(fn, constexprs, overrides)
     row = {"kernel": kernel, "variant": {k: v for k, v in constexprs.items()
                                          if k in ("PDL", "ROPE", "USE_DOT", "IS_FP8", "SPLIT_K", "TRACE")}}

@@ -1,6 +1,8 @@
 """The model's fused decode path (skinny-GEMM kernels: norm+qkv, o_proj+residual,
 norm+gate_up+silu, down+residual, lm_head) gives the unfused path's logits and tokens.
 Runs the real kernels through the Triton interpreter on CPU (GPU with SPLITSERVE_KERNEL_TESTS_GPU=1)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,3 +47,35 @@ def test_fused_path_greedy_tokens_equal(device):
     eng = _engine("tiny-llama", device)
     eng.runner.model.skinny_max_m = 4  # decode steps (3 rows) take the fused path
     assert eng.generate(prompts, params) == want
+
+
+def test_next_norm_fusion_gives_the_same_logits(device, monkeypatch):
+    """engine.models.llama.FUSE_NEXT_NORM: where gate_up's norm runs as a kernel of its own,
+    o_proj's last program computes it instead; one-row decode logits are bit-identical."""
+    import engine.kernels.skinny_gemm as sg
+    import engine.models.llama as llama
+
+    real = sg.default_config
+
+    def norm_apart(m, n, k, dev, silu=False):  # the 8B table's one-row gate_up: norm separate
+        cfg = real(m, n, k, dev, silu)
+        return dataclasses.replace(cfg, norm_separate=True) if silu else cfg
+
+    monkeypatch.setattr(sg, "default_config", norm_apart)
+    eng = _engine("tiny-llama", device)
+    r = eng.runner
+    ids, pos, meta = decode_inputs(eng, 1, 37)
+    for t in r.kv_caches:
+        t.normal_()
+    kv0 = [t.clone() for t in r.kv_caches]
+    r.model.skinny_max_m = 4
+    out, calls = {}, []
+    monkeypatch.setattr(sg, "_nn_count", lambda dev, f=sg._nn_count: calls.append(1) or f(dev))
+    with torch.inference_mode():
+        for fuse in (False, True):
+            monkeypatch.setattr(llama, "FUSE_NEXT_NORM", fuse)
+            for t, t0 in zip(r.kv_caches, kv0):
+                t.copy_(t0)
+            out[fuse] = r.model.compute_logits(r.model(ids, pos, r.kv_caches, meta, r.kv_scales))
+    assert len(calls) == eng.arch.num_layers  # every layer's o_proj took it
+    assert torch.equal(out[True], out[False])

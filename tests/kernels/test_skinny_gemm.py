@@ -293,3 +293,32 @@ def test_forget_cached_picks_up_a_new_config_dir(tmp_path, monkeypatch):
         assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 8
     finally:
         sc.forget_cached()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,cfg", [(1, 40, 64, FMA), (1, 72, 100, FMA), (1, 33, 96, DOT), (2, 40, 64, FMA)])
+def test_next_norm_is_the_rmsnorm_of_the_result(m, n, k, cfg, dtype, device):
+    """next_norm: the matmul's last program (one row; more rows: the rmsnorm kernel after it)
+    writes rmsnorm(out) * g exactly as the rmsnorm kernel would, and leaves its arrival count
+    at zero for the next launch; the matmul's own result does not change."""
+    from engine.kernels.rmsnorm import rms_norm
+    from engine.kernels.skinny_gemm import _nn_count, next_norm_fuses
+
+    x, w, _, res, _ = gemm_data(m, n, k, dtype, device, seed=31 + m + n)
+    g = torch.randn(n, dtype=dtype, device=device)
+    want = skinny_linear(x, w, residual=res.clone(), config=cfg)
+    for _ in range(2):  # the count must be back at zero for the second launch
+        r = res.clone()
+        normed = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+        skinny_linear(x, w, residual=r, out=r, config=cfg, next_norm=(g, 1e-5, normed))
+        assert torch.equal(r, want)
+        assert torch.equal(normed, rms_norm(r, g, 1e-5))
+        assert int(_nn_count(torch.device(device))[0]) == 0
+    assert next_norm_fuses(m, n, k, torch.device(device)) == (m == 1)  # heuristic tiles, no split
+
+
+def test_next_norm_bad_shapes(device):
+    x, w, _, res, _ = gemm_data(1, 40, 64, torch.float32, device, seed=3)
+    with pytest.raises(ValueError, match="next_norm"):
+        skinny_linear(x, w, residual=res, out=res, config=FMA,
+                      next_norm=(torch.ones(39, device=device), 1e-5, torch.empty(1, 40, device=device)))
