@@ -24,7 +24,7 @@ ENGINE_KERNELS = (("engine.kernels.skinny_gemm", "_skinny_gemm_kernel"),
                   ("engine.kernels.prefill_attention", "_prefill_kernel"))
 # constexprs worth showing (the shape of a variant), when present
 SHOWN = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "R", "SPLIT_K", "G_PAD", "USE_DOT", "NORM", "SILU",
-         "RESID", "ROPE", "PDL", "ONE_CHUNK", "PREFETCH_X", "PREFETCH", "DIRECT")
+         "RESID", "ROPE", "PDL", "ONE_CHUNK", "PREFETCH_X", "PREFETCH", "DIRECT", "NEXT_NORM", "TRACE")
 
 
 def _constants(kernel, arg_names) -> dict:

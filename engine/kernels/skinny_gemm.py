@@ -23,6 +23,13 @@ and no separate norm / activation / residual kernels:
          every element is read and written by the same program).
   BIAS:  y += bias[n] before the epilogues above.
 
+next_norm (one row, no split-K, not cuBLAS or a slab): the LAST program to finish (a gpu-scope
+arrival count, reset by that program) also writes rmsnorm(out) * g into a second buffer, the
+next matmul's input norm rounded exactly like engine/kernels/rmsnorm.py, so the step needs no
+rmsnorm kernel there (engine.models.llama.FUSE_NEXT_NORM: 8B o_proj -> gate_up). cut: launched
+without the PDL attribute, so this kernel starts on an idle GPU once the previous one ended,
+while it still lets the next kernel launch early.
+
 At one row the tuned table may run the op as a slab GEMV instead (SkinnyConfig.slab;
 engine/kernels/slab_gemv.py: a one-wave grid of programs, each streaming a contiguous slab
 of whole rows, like a pure read). At 32+ rows the tuned table may run NORM as a separate

@@ -149,8 +149,8 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
               cut: bool = False) -> torch.Tensor:
     """x [1, K] (unit stride), weight [N_w, K] contiguous, out [1, N] (N = N_w, or N_w / 2
     with silu) with unit stride; residual [1, N] (may be out). cut: launched without the PDL
-    attribute, still letting the next kernel launch early (skinny_linear's cut). Shapes are checked by the
-    caller (engine.kernels.skinny_gemm.skinny_linear)."""
+    attribute, still letting the next kernel launch early (skinny_linear's cut). Shapes are
+    checked by the caller (engine.kernels.skinny_gemm.skinny_linear)."""
     if not runs(x.shape[0], weight):
         raise ValueError(f"slab GEMV: one row and contiguous weight rows of K <= {MAX_K}, got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)} stride {weight.stride()}")

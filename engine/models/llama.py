@@ -42,8 +42,12 @@ SKINNY_PDL: dict[str, bool | None] = {}
 # Where the tuned table runs gate_up's input norm as a kernel of its own (the 8B one-row
 # step), o_proj's last program computes it instead (skinny_linear's next_norm) and gate_up is
 # launched after o_proj ends without the PDL attribute (the cut the rmsnorm kernel made;
-# engine/kernels/rmsnorm.py says why it matters). A switch for whole-step A/Bs.
-FUSE_NEXT_NORM = False
+# engine/kernels/rmsnorm.py says why it matters). H200, 2026-12-03 (decode_ab-20261203T175313,
+# medians of 5): 8B batch-1 steps -0.6% at ctx 1024 (4.175 -> 4.152 ms) and -0.7% at ctx 4096;
+# the in-kernel timestamps (step_profile-20261203T175328) put o_proj's end 1.5 us later (the
+# last arriver's count, reload and norm) against the 1.8 us the rmsnorm kernel took. With
+# gate_up as a slab GEMV behind it, +0.1..+1.0% (same file): gate_up stays a tile.
+FUSE_NEXT_NORM = True
 
 
 class Attention(torch.nn.Module):
