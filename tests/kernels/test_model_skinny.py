@@ -51,7 +51,8 @@ def test_fused_path_greedy_tokens_equal(device):
 
 def test_next_norm_fusion_gives_the_same_logits(device, monkeypatch):
     """engine.models.llama.FUSE_NEXT_NORM: where gate_up's norm runs as a kernel of its own,
-    o_proj's last program computes it instead; one-row decode logits are bit-identical."""
+    o_proj's last program computes it instead; one-row decode logits are the same (bit-identical
+    in the interpreter; on a GPU the norm's sum of squares is reduced in another order)."""
     import engine.kernels.skinny_gemm as sg
     import engine.models.llama as llama
 
@@ -78,4 +79,6 @@ def test_next_norm_fusion_gives_the_same_logits(device, monkeypatch):
                 t.copy_(t0)
             out[fuse] = r.model.compute_logits(r.model(ids, pos, r.kv_caches, meta, r.kv_scales))
     assert len(calls) == eng.arch.num_layers  # every layer's o_proj took it
-    assert torch.equal(out[True], out[False])
+    rel = ((out[True] - out[False]).norm() / out[False].norm()).item()
+    assert rel < 1e-5, rel
+    assert torch.equal(out[True].argmax(-1), out[False].argmax(-1))

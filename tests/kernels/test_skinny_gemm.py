@@ -299,8 +299,10 @@ def test_forget_cached_picks_up_a_new_config_dir(tmp_path, monkeypatch):
 @pytest.mark.parametrize("m,n,k,cfg", [(1, 40, 64, FMA), (1, 72, 100, FMA), (1, 33, 96, DOT), (2, 40, 64, FMA)])
 def test_next_norm_is_the_rmsnorm_of_the_result(m, n, k, cfg, dtype, device):
     """next_norm: the matmul's last program (one row; more rows: the rmsnorm kernel after it)
-    writes rmsnorm(out) * g exactly as the rmsnorm kernel would, and leaves its arrival count
-    at zero for the next launch; the matmul's own result does not change."""
+    writes rmsnorm(out) * g with the rmsnorm kernel's rounding, and leaves its arrival count
+    at zero for the next launch; the matmul's own result does not change. (The sum of squares
+    is reduced in another thread layout than the rmsnorm kernel's, so on a GPU rstd may differ
+    in its last fp32 bit: within 1 ulp of the output dtype; the interpreter gives equality.)"""
     from engine.kernels.rmsnorm import rms_norm
     from engine.kernels.skinny_gemm import _nn_count, next_norm_fuses
 
@@ -312,7 +314,9 @@ def test_next_norm_is_the_rmsnorm_of_the_result(m, n, k, cfg, dtype, device):
         normed = torch.full((m, n), float("nan"), dtype=dtype, device=device)
         skinny_linear(x, w, residual=r, out=r, config=cfg, next_norm=(g, 1e-5, normed))
         assert torch.equal(r, want)
-        assert torch.equal(normed, rms_norm(r, g, 1e-5))
+        ref = rms_norm(r, g, 1e-5)
+        ulp = torch.finfo(dtype).eps * ref.abs().float().clamp_min(torch.finfo(dtype).tiny)
+        assert bool(((normed.float() - ref.float()).abs() <= ulp).all())
         assert int(_nn_count(torch.device(device))[0]) == 0
     assert next_norm_fuses(m, n, k, torch.device(device)) == (m == 1)  # heuristic tiles, no split
 
