@@ -302,7 +302,7 @@ def test_next_norm_is_the_rmsnorm_of_the_result(m, n, k, cfg, dtype, device):
     writes rmsnorm(out) * g with the rmsnorm kernel's rounding, and leaves its arrival count
     at zero for the next launch; the matmul's own result does not change. (The sum of squares
     is reduced in another thread layout than the rmsnorm kernel's, so on a GPU rstd may differ
-    in its last fp32 bit: within 1 ulp of the output dtype; the interpreter gives equality.)"""
+    in its last fp32 bit: within 2 ulps of the output dtype; the interpreter gives equality.)"""
     from engine.kernels.rmsnorm import rms_norm
     from engine.kernels.skinny_gemm import _nn_count, next_norm_fuses
 
@@ -315,8 +315,8 @@ def test_next_norm_is_the_rmsnorm_of_the_result(m, n, k, cfg, dtype, device):
         skinny_linear(x, w, residual=r, out=r, config=cfg, next_norm=(g, 1e-5, normed))
         assert torch.equal(r, want)
         ref = rms_norm(r, g, 1e-5)
-        ulp = torch.finfo(dtype).eps * ref.abs().float().clamp_min(torch.finfo(dtype).tiny)
-        assert bool(((normed.float() - ref.float()).abs() <= ulp).all())
+        ulps = 2 * torch.finfo(dtype).eps * ref.abs().float().clamp_min(torch.finfo(dtype).tiny)
+        assert bool(((normed.float() - ref.float()).abs() <= ulps).all())  # two roundings
         assert int(_nn_count(torch.device(device))[0]) == 0
     assert next_norm_fuses(m, n, k, torch.device(device)) == (m == 1)  # heuristic tiles, no split
 
