@@ -8,6 +8,10 @@ rotary.rotary_neox_                     neox rotary embedding, in place
 rope_kv_write.rope_write_kv             rotary on q + rotated k and v into the cache, one launch
 skinny_gemm.skinny_linear               decode matmul for few rows, norm / silu*up / residual fused;
                                         tile configs from configs/ (skinny_configs.py) or a heuristic;
-                                        Triton pieces in skinny_gemm_parts.py
+                                        Triton pieces in skinny_gemm_parts.py; next_norm: the
+                                        next matmul's input rmsnorm by the last program
+slab_gemv.slab_gemv                     one-row GEMV, one wave of programs streaming whole rows
+trace                                   in-kernel timestamps (diagnostic, compiled out when off;
+                                        bench.step_profile --stamps)
 Importing a submodule imports triton; this package file imports nothing.
 """
