@@ -230,13 +230,15 @@ def _nn_count(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def _fuses_next_norm(m: int, k: int, cfg: SkinnyConfig) -> bool:
+    # the tile kernel without split-K (a slab entry at one row, cuBLAS: the rmsnorm kernel)
+    return m <= NEXT_NORM_MAX_M and not cfg.cublas and not (cfg.slab and m == 1) and cfg.k_split(k)[0] == 1
+
+
 def next_norm_fuses(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> bool:
     """Whether skinny_linear(next_norm=...) on an [m, k] x [n, k] matmul normalises its
     result in its own last program (else it runs the rmsnorm kernel after it)."""
-    if m > NEXT_NORM_MAX_M:
-        return False
-    cfg = default_config(m, n, k, torch.device(device), silu)
-    return not cfg.cublas and not (cfg.slab and m == 1) and cfg.k_split(k)[0] == 1
+    return _fuses_next_norm(m, k, default_config(m, n, k, torch.device(device), silu))
 
 
 def norm_separate(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> bool:
@@ -310,8 +312,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0:
         return out
     cfg = config or default_config(M, N, K, x.device, silu)
-    fuse_nn = (next_norm is not None and M <= NEXT_NORM_MAX_M and not cfg.cublas
-               and not (cfg.slab and slab_runs(M, weight)) and cfg.k_split(K)[0] == 1)
+    fuse_nn = next_norm is not None and _fuses_next_norm(M, K, cfg)
     if next_norm is not None and not fuse_nn:
         from engine.kernels.rmsnorm import rms_norm_into
 
