@@ -31,6 +31,11 @@ LOG2E = 1.4426950408889634
 # PDL for the split and the reduce kernel where supported (module switches for whole-step
 # A/Bs, bench.decode_ab --attr-b; False launches that kernel without it, a cut in the chain)
 PDL_SPLIT = True
+# "cut" the split kernel's launch (skinny_linear's cut): launched without the PDL attribute, so
+# its programs are placed on a GPU the qkv matmul has left (one per SM) instead of crowding
+# onto the first SMs qkv frees, while it still lets the reduce launch early (a switch for
+# whole-step A/Bs; step_profile --stamps: spread, the split ends 1.3 us sooner at 8B batch 1)
+CUT_SPLIT = False
 PDL_REDUCE = True
 # Tried on the H200 and removed (README, 2026-12-03): with the fused rotary, the split's first
 # K/V tile loaded before the PDL wait and the new token's row patched in from registers (no
@@ -360,7 +365,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
-        trace_ptr=tr, TRACE=traced, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl_split))
+        trace_ptr=tr, TRACE=traced, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(pdl_split and not CUT_SPLIT))
     if num_splits > 1:
         tr, traced = trace.buffer("decode_reduce", S * Hq, q)
         _decode_reduce_kernel[(S, Hq)](
