@@ -254,6 +254,8 @@ class DecodeTile:
     prefetch: bool  # manual register double buffering of the next K/V tile
     programs_per_sm: int
     min_tiles_per_split: int
+    # launched without the PDL attribute, still triggering the reduce early (CUT_SPLIT)
+    cut: bool = False
 
 
 # H200, 2026-12-03 (bench/decode_ab.py --attn-tiles --attn-splits, Llama-3.1-8B heads,
@@ -280,6 +282,16 @@ TILE_WIDE_HEAD = DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_spl
 TILE_16BIT_BATCH = DecodeTile(64, 4, 2, False, programs_per_sm=4, min_tiles_per_split=1)
 TILE_16BIT_BATCH_NARROW = DecodeTile(128, 4, 2, False, programs_per_sm=4, min_tiles_per_split=1)
 BATCH_TILE = True  # module switch (bench.decode_ab --attr-b)
+# Few sequences of 128-wide heads (up to FEW_PAIRS (sequence, KV head) pairs: 8B batches 1-8):
+# 64-token tiles on 4 warps, the launch cut so the programs are placed one per SM on the GPU
+# the qkv matmul left (with PDL they crowded two per SM onto the first SMs qkv freed:
+# step_profile --stamps). H200, 2026-12-03 (decode_ab-20261203T180915, 8B, medians of 5):
+# batch 1 -2.3% at ctx 1024 (4.269 -> 4.172 ms) and -1.7% at ctx 4096, batch 8 -0.7%; the cut
+# alone +0.9 / +0.4 / -0.5%; the 64-token tile alone, with the PDL launch (eighth session and
+# earlier), no gain. Batches above 8 and 64-wide heads (1B) keep TILE_16BIT, unmeasured so.
+TILE_16BIT_FEW = DecodeTile(64, 4, 2, False, programs_per_sm=2, min_tiles_per_split=1, cut=True)
+FEW_PAIRS = 64
+FEW_TILE = True  # module switch (bench.decode_ab --attr-b)
 
 
 def default_tile(is_fp8: bool, head_dim_pad: int, pairs: int = 0,
@@ -291,6 +303,8 @@ def default_tile(is_fp8: bool, head_dim_pad: int, pairs: int = 0,
         return TILE_FP8
     if BATCH_TILE and pairs and device is not None and pairs >= TILE_16BIT.programs_per_sm * num_sms(device):
         return TILE_16BIT_BATCH if head_dim_pad > 64 else TILE_16BIT_BATCH_NARROW
+    if FEW_TILE and 0 < pairs <= FEW_PAIRS and head_dim_pad > 64:
+        return TILE_16BIT_FEW
     return TILE_16BIT
 
 
@@ -366,7 +380,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
         trace_ptr=tr, TRACE=traced, num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(pdl_split and not CUT_SPLIT))
+        **pdl_launch(pdl_split and not (CUT_SPLIT or tile.cut)))
     if num_splits > 1:
         tr, traced = trace.buffer("decode_reduce", S * Hq, q)
         _decode_reduce_kernel[(S, Hq)](

@@ -90,7 +90,8 @@ def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
 
     cpu = torch.device("cpu")  # nominal 8 SMs: the default tile's wave is 2 x 8 = 16 programs
     monkeypatch.setattr(da, "BATCH_TILE", True)
-    assert da.default_tile(False, 128, 15, cpu) is da.TILE_16BIT
+    assert da.default_tile(False, 128, 15, cpu) is da.TILE_16BIT_FEW  # few 128-wide pairs
+    assert da.default_tile(False, 64, 15, cpu) is da.TILE_16BIT
     assert da.default_tile(False, 128, 16, cpu) is da.TILE_16BIT_BATCH
     assert da.default_tile(False, 64, 512, cpu) is da.TILE_16BIT_BATCH_NARROW
     assert da.default_tile(True, 128, 512, cpu) is da.TILE_FP8
@@ -98,6 +99,24 @@ def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
     assert da.default_tile(False, 128, 0, cpu) is da.TILE_16BIT  # pairs unknown
     monkeypatch.setattr(da, "BATCH_TILE", False)
     assert da.default_tile(False, 128, 512, cpu) is da.TILE_16BIT
+    monkeypatch.setattr(da, "FEW_TILE", False)
+    assert da.default_tile(False, 128, 15, cpu) is da.TILE_16BIT
+
+
+@pytest.mark.parametrize("few_tile", [False, True])
+def test_decode_few_tile_matches_reference(few_tile, device, monkeypatch):
+    """Few sequences of 128-wide heads take TILE_16BIT_FEW (64-token tiles, its launch cut):
+    the same results as the reference, with and without it."""
+    import engine.kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "FEW_TILE", few_tile)
+    seq_lens = [1, 63, 64, 65, 200]
+    kv, meta = make_batch(seq_lens, [1] * len(seq_lens), 16, 2, 128, torch.bfloat16, device)
+    q = torch.randn(len(seq_lens), 4, 128, device=device).to(torch.bfloat16)
+    assert (da.default_tile(False, 128, len(seq_lens) * 2, q.device) is da.TILE_16BIT_FEW) == few_tile
+    out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.088)
+    ref = paged_attention_torch(q, kv, meta, 0.088)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("batch_tile", [False, True])
