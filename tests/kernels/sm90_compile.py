@@ -34,6 +34,8 @@ VARIANTS = [
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1), 8, 3, {}),
     # the batch tile (TILE_16BIT_BATCH): 64-token tiles on 4 warps, no split
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, BLOCK_N=64, DIRECT=True), 4, 2, {}),
+    # the few-sequence tile (TILE_16BIT_FEW): 64-token tiles on 4 warps, split
+    ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=1, BLOCK_N=64), 4, 2, {}),
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=2, ROPE=False), 8, 3, {}),
     ("decode_attention", "_decode_split_kernel", dict(SPLIT, PDL=0, ROPE=False, IS_FP8=True, BLOCK_N=64),
      4, 2, {"cache_ptr": "*fp8e4nv"}),
