@@ -177,8 +177,10 @@ class Engine:
                 sample_reqs.append(r)
         batch = self.runner.sampling_batch(sample_reqs) if sample_reqs else None
         launched = Launched(sched, sample_reqs, batch, self._next_seq())
-        decode_only = all(len(r.token_ids) == 1 and r.sample for r in rows)
-        if self.overlap and decode_only and can_overlap(sample_reqs, batch):
+        # every row samples (decode rows, prompts in their last chunk): tokens stay on the device
+        # so the next step may follow before they reach the host (can_overlap: no layer
+        # streaming, no host-side sampling state)
+        if self.overlap and all(r.sample for r in rows) and can_overlap(sample_reqs, batch):
             self._launch_decode(launched, rows)
             return launched
         streamed = [(s.req.request_id, rows[i].block_ids, s.req.num_prompt_tokens)
@@ -195,8 +197,9 @@ class Engine:
         return launched
 
     def _launch_decode(self, launched: Launched, rows, token_src=None) -> None:
-        """An overlapped decode step: run and sample on the device, start the tokens' copy to
-        the host; blocks freed from now on wait until this step is known complete."""
+        """An overlapped step (decode, or every prompt in its last chunk): run and sample on
+        the device, start the tokens' copy to the host; blocks freed from now on wait until
+        this step is known complete."""
         launched.tokens = self.runner.launch_decode(rows, launched.batch, token_src)
         self._readback.start(launched)
         self.kv.fence = launched.seq

@@ -11,7 +11,9 @@ computes instead of leaving it idle.
     step k+1: (S_k+1 already in flight) launch S_k+2 ..., outputs of S_k+1
 
 A step may follow blindly (`can_follow`) only when it would have been scheduled exactly so:
-the previous step was a decode-only step of the running requests, nothing waits, no request
+the previous step sampled every request it ran (a decode step, or a mixed step whose
+prompts were in their last chunk: it ran overlapped too) and ran every running request,
+nothing waits that the next schedule could admit (all max_num_seqs slots taken), no request
 can end by length or needs state the unknown token changes (penalties, min_tokens bans,
 seeded sampling, logprobs), and the cache has the blocks for one more token of each
 (no preemption). Otherwise the engine waits and schedules normally. A request that stops on
@@ -93,14 +95,20 @@ def can_overlap(sample_reqs: list[Request], batch: SamplingBatch | None) -> bool
 
 def can_follow(prev: Launched, sched: Scheduler) -> bool:
     """Whether the step after `prev` may be launched before prev's tokens are known: it
-    would be scheduled exactly as `follow` builds it (see the module docstring)."""
-    if not prev.overlapped or sched.waiting or sched.running != prev.sample_reqs:
+    would be scheduled exactly as `follow` builds it (see the module docstring). prev may
+    be a mixed step whose prompts were all in their last chunk (every row sampled): the step
+    after it decodes every request of it."""
+    # a waiting request could be admitted (or failed) by the next schedule unless every
+    # sequence slot is taken (the scheduler then looks at no waiting request at all)
+    if sched.waiting and len(sched.running) < sched.cfg.max_num_seqs:
         return False
-    if any(s.num_tokens != 1 or not s.sample for s in prev.sched.scheduled):
+    if not prev.overlapped or sched.running != prev.sample_reqs:
+        return False
+    if not all(s.sample for s in prev.sched.scheduled):
         return False
     kv = sched.kv
     need = 0
-    for r in prev.sample_reqs:
+    for s, r in zip(prev.sched.scheduled, prev.sample_reqs):
         p = r.params
         n_out = len(r.output_token_ids)  # prev's token not yet among them
         if (r.finished or r.prefill_only or n_out + 1 >= p.max_tokens
@@ -108,8 +116,9 @@ def can_follow(prev: Launched, sched: Scheduler) -> bool:
                 or p.needs_penalties or p.logprobs is not None
                 or (p.seed is not None and p.temperature != 0.0)):
             return False
-        # prev computes position num_computed; the next step the one after it
-        need += max(0, kv.blocks_needed(r, 2))
+        # prev computes positions num_computed.. (s.num_tokens of them); the next step the
+        # one after them
+        need += max(0, kv.blocks_needed(r, s.num_tokens + 1))
     return need <= kv.num_free_blocks
 
 
@@ -120,10 +129,11 @@ def follow(prev: Launched, sched: Scheduler, seq: int):
     from engine.runner import StepInput
 
     rows = []
-    for r in prev.sample_reqs:
-        if not sched.kv.allocate(r, 2):  # covers num_computed + 2 tokens
+    for s, r in zip(prev.sched.scheduled, prev.sample_reqs):
+        n = s.num_tokens  # 1, or a prompt's last chunk
+        if not sched.kv.allocate(r, n + 1):  # covers num_computed + n + 1 tokens
             raise RuntimeError(f"overlapped decode: no block for request {r.request_id!r}")
-        rows.append(StepInput(r.request_id, [0], r.num_computed_tokens + 1,
+        rows.append(StepInput(r.request_id, [0], r.num_computed_tokens + n,
                               sched.kv.block_ids(r.request_id), True))
     out = SchedulerOutput([ScheduledSeq(r, 1, True) for r in prev.sample_reqs])
     return Launched(out, list(prev.sample_reqs), prev.batch, seq), rows

@@ -11,11 +11,11 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
 
-def _engine(overlap: bool, num_blocks: int = 64, max_num_seqs: int = 8) -> Engine:
+def _engine(overlap: bool, num_blocks: int = 64, max_num_seqs: int = 8, **sched) -> Engine:
     return Engine(EngineConfig(
         model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
         cache=CacheConfig(block_size=16, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, async_scheduling=overlap),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, async_scheduling=overlap, **sched),
         device=DeviceConfig(device="cpu")))
 
 
@@ -203,4 +203,83 @@ def test_generate_leaves_nothing_in_flight():
     out = eng.generate([PROMPTS[0]], _greedy(30, stop_token_ids=(base[5],)))
     assert out == [base[:base.index(base[5]) + 1]]
     assert eng._inflight is None and not eng.has_unfinished()
+    _no_leak(eng)
+
+
+def test_a_step_with_prompts_in_their_last_chunk_is_followed_blindly():
+    """A mixed step (an arrival's whole prompt beside decode rows) samples every row: it runs
+    overlapped and the next decode step (the new request's first decode included) is launched
+    before its tokens reach the host; tokens equal the synchronous engine's."""
+    reqs = [(f"r{i}", p, _greedy(12)) for i, p in enumerate(PROMPTS[:2])]
+    late = ("late", list(range(50, 70)), _greedy(8))
+    seen = {}
+
+    def arrive(e):
+        e.add_request(*late)
+
+    def after(i):
+        def check(e):  # the in-flight step of step i, if any: is the new request in it?
+            fl = e._inflight
+            seen[i] = (fl is not None and "late" in {r.request_id for r in fl.sample_reqs},
+                       fl is not None and fl.sched.scheduled[-1].num_tokens)
+        return check
+
+    # step 4 completes the blind step in flight (a request waits: no follow), step 5 runs
+    # the mixed step (2 decode rows + the 20-token prompt) and follows it with a decode step
+    events = {3: arrive, 4: after(4), 5: after(5)}
+    want = _run(_engine(False), reqs, {3: arrive})
+    eng = _engine(True)
+    got = _run(eng, reqs, events)
+    assert got == want
+    assert seen[4] == (False, False) and seen[5] == (True, 1)
+    _no_leak(eng)
+
+
+def test_the_first_step_of_whole_prompts_is_followed_blindly():
+    eng = _engine(True)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, _greedy(6))
+    eng.step()  # every prompt whole: the first decode step is already in flight
+    assert eng._inflight is not None and len(eng._inflight.sample_reqs) == len(PROMPTS)
+    while eng.has_unfinished():
+        eng.step()
+    _no_leak(eng)
+
+
+def test_chunked_prompts_match_synchronous():
+    """A prompt in several chunks: its earlier chunks sample nothing (those steps run
+    synchronously), its last chunk's step is followed blindly; the same tokens."""
+    reqs = [("a", PROMPTS[0], _greedy(10)), ("long", list(range(200, 290)), _greedy(7))]
+    events = {2: lambda e: e.add_request("b", list(range(300, 341)), _greedy(5))}
+    want = _run(_engine(False, max_num_batched_tokens=24), reqs, dict(events))
+    eng = _engine(True, max_num_batched_tokens=24)
+    got = _run(eng, reqs, dict(events))
+    assert got == want and eng.num_overlapped_steps > 0
+    _no_leak(eng)
+
+
+def test_one_token_requests_in_a_mixed_step():
+    """A prompt whose request wants one token ends in the step that prefills it: no blind step
+    follows for it (max_tokens), and nothing is lost."""
+    reqs = [("a", PROMPTS[1], _greedy(9))]
+    events = {2: lambda e: e.add_request("one", PROMPTS[2], _greedy(1))}
+    want = _run(_engine(False), reqs, dict(events))
+    eng = _engine(True)
+    got = _run(eng, reqs, dict(events))
+    assert got == want and got[0]["one"] and len(got[0]["one"]) == 1
+    _no_leak(eng)
+
+
+def test_a_full_batch_with_a_queue_still_overlaps():
+    """Every sequence slot taken and requests waiting: the next schedule would admit none of
+    them, so decode steps still follow blindly; a waiting request joins once a slot frees (a
+    request ending by length makes that step synchronous). The same tokens."""
+    reqs = [(f"r{i}", p, _greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS, (6, 9, 4, 7)))]
+    want = _run(_engine(False, max_num_seqs=2), reqs)
+    eng = _engine(True, max_num_seqs=2)
+    seen = []
+    got = _run(eng, reqs, {i: (lambda e: seen.append((len(e.scheduler.waiting), e._inflight is not None)))
+                           for i in range(40)})
+    assert got == want
+    assert any(w and fl for w, fl in seen)  # blind steps while requests waited
     _no_leak(eng)
