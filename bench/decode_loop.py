@@ -130,33 +130,95 @@ def _engine_loop(eng, batch: int, ctx: int, steps: int, tag: str = "loop") -> di
     return out
 
 
-def both_loops(eng, batch: int, ctx: int, steps: int, tag: str = "") -> dict[str, dict]:
-    """_engine_loop with overlapped decode off ("sync") then on ("overlap"); the engine's
-    switch is restored after."""
+def arrivals_loop(eng, batch: int, ctx: int, steps: int, every: int = 8, prompt_len: int = 128,
+                  tag: str = "arr") -> dict:
+    """Continuous batching in a steady state: `batch` requests decode, one of them ends (by
+    length) every `every` steps and a new request with a prompt_len-token prompt takes its
+    place, so about one step in `every` is mixed (a prompt beside the decode rows). Over
+    `steps` Engine.step() calls after the first prompts: wall ms per step, generated tokens
+    per second, and how many steps were mixed and how many were launched blind."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = eng.arch.vocab_size
+    live: set[str] = set()
+    count = 0
+
+    def add(n_prompt: int, max_tokens: int) -> None:
+        nonlocal count
+        rid = f"{tag}{count}"
+        count += 1
+        eng.add_request(rid, torch.randint(0, vocab, (n_prompt,), generator=gen).tolist(),
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        live.add(rid)
+
+    for i in range(batch):  # staggered lengths: one request ends every `every` steps
+        add(ctx, every * (i + 1))
+    while not all(eng.requests[r].output_token_ids for r in live):
+        eng.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    blind0, tokens, mixed = eng.num_overlapped_steps, 0, 0
+    schedule = eng.scheduler.schedule
+
+    def counted():
+        out = schedule()
+        nonlocal mixed
+        mixed += any(s.num_tokens > 1 for s in out.scheduled)
+        return out
+
+    eng.scheduler.schedule = counted
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            for o in eng.step():
+                tokens += len(o.new_token_ids)
+                if o.finished:
+                    live.discard(o.request_id)
+                    add(prompt_len, every * batch)  # it ends in turn, `batch` arrivals later
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        eng.scheduler.schedule = schedule
+        for rid in list(live):
+            eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+    return {"arr_ms": wall / steps * 1e3, "arr_tok_s": tokens / wall, "arr_mixed": mixed,
+            "arr_blind": eng.num_overlapped_steps - blind0}
+
+
+def both_loops(eng, batch: int, ctx: int, steps: int, tag: str = "",
+               arrivals: bool = False) -> dict[str, dict]:
+    """_engine_loop (and with arrivals, arrivals_loop) with overlapped decode off ("sync")
+    then on ("overlap"); the engine's switch is restored after."""
     overlap = eng.overlap
     out = {}
     try:
         for name, on in (("sync", False), ("overlap", True)):
             eng.overlap = on
             out[name] = _engine_loop(eng, batch, ctx, steps, tag=f"{tag}{name}")
+            if arrivals:
+                out[name].update(arrivals_loop(eng, batch, ctx, steps, tag=f"{tag}{name}a"))
     finally:
         eng.overlap = overlap
     return out
 
 
 @torch.inference_mode()
-def run_case(shape: str, batch: int, ctx: int, steps: int) -> dict:
+def run_case(shape: str, batch: int, ctx: int, steps: int, arrivals: bool = False) -> dict:
     eng = make_engine(shape, batch, ctx + steps + 32, eager=False,
                       num_blocks=batch * (-(-(ctx + steps + 32) // 16)) + 8)
     try:
         row = {"case": f"{shape} b={batch} ctx={ctx}"}
         row.update(_graph_rows(eng, batch, ctx))
-        loops = both_loops(eng, batch, ctx, steps)
+        loops = both_loops(eng, batch, ctx, steps, arrivals=arrivals)
         row.update({f"sync_{k}": v for k, v in loops["sync"].items()})
         row.update(loops["overlap"])
         row["overlapped_steps"] = eng.num_overlapped_steps
         row["host_share"] = round(1 - row["replay_ms"] / row["sync_engine_ms"], 3)
         row["overlap_gain"] = round(1 - row["engine_ms"] / row["sync_engine_ms"], 3)
+        if arrivals:
+            row["arr_gain"] = round(row["arr_tok_s"] / row["sync_arr_tok_s"] - 1, 3)
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
     finally:
         del eng
@@ -168,18 +230,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="llama-3.1-8b:1:1024,llama-3.2-1b:1:1024")
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--arrivals", action="store_true",
+                    help="also a steady state with arrivals (arrivals_loop): one request ends and a "
+                         "128-token prompt arrives every 8 steps, sync vs overlapped")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for spec in a.cases.split(","):
         shape, b, c = spec.split(":")
-        rows.append(run_case(shape, int(b), int(c), a.steps))
+        rows.append(run_case(shape, int(b), int(c), a.steps, a.arrivals))
         print(rows[-1], flush=True)
     cols = ["case", "replay_ms", "run_rows_ms", "pipelined_ms", "stage_us", "sync_engine_ms",
             "engine_ms", "overlap_gain", "host_share", "sync_execute_us", "sync_run_rows_us",
             "sync_sample_launch_us", "schedule_us", "update_us"]
+    if a.arrivals:
+        cols += ["sync_arr_ms", "arr_ms", "sync_arr_tok_s", "arr_tok_s", "arr_gain", "arr_mixed", "arr_blind"]
     print_table(rows, cols)
-    print("wrote", write_result("decode_loop", {"cases": a.cases, "steps": a.steps, "dtype": "bf16"},
+    print("wrote", write_result("decode_loop", {"cases": a.cases, "steps": a.steps, "dtype": "bf16",
+                                                "arrivals": a.arrivals},
                                 {"rows": rows}))
 
 
