@@ -23,7 +23,7 @@ from engine.layer_stream import LayerExport, LayerStreamer
 from engine.layers.attention_select import get_attention_backend
 from engine.loader import load_model
 from engine.models.llama import CausalLM
-from engine.overlap import Launched, TokenReadback, can_follow, can_overlap, follow
+from engine.overlap import Launched, TokenReadback, can_overlap, follow, plan_follow
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, StepInput, resolve_dtype
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -154,9 +154,11 @@ class Engine:
             if not sched.scheduled:
                 return outputs
             cur = self._launch(sched)
-        if self.overlap and can_follow(cur, self.scheduler):
-            nxt, rows = follow(cur, self.scheduler, self._next_seq())
-            self._launch_decode(nxt, rows, token_src=cur.tokens)
+        keep = plan_follow(cur, self.scheduler) if self.overlap else None
+        if keep:
+            nxt, rows, tokens = follow(cur, keep, self.scheduler, self._next_seq(),
+                                       self.runner.sampling_batch)
+            self._launch_decode(nxt, rows, token_src=tokens)
             self._inflight = nxt
             self.num_overlapped_steps += 1
         outputs += self._complete(cur)

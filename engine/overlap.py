@@ -10,13 +10,13 @@ computes instead of leaving it idle.
               outputs of S_k
     step k+1: (S_k+1 already in flight) launch S_k+2 ..., outputs of S_k+1
 
-A step may follow blindly (`can_follow`) only when it would have been scheduled exactly so:
+A step may follow blindly (`plan_follow`) only when it would have been scheduled exactly so:
 the previous step sampled every request it ran (a decode step, or a mixed step whose
-prompts were in their last chunk: it ran overlapped too) and ran every running request,
-nothing waits that the next schedule could admit (all max_num_seqs slots taken), no request
-can end by length or needs state the unknown token changes (penalties, min_tokens bans,
-seeded sampling, logprobs), and the cache has the blocks for one more token of each
-(no preemption). Otherwise the engine waits and schedules normally. A request that stops on
+prompts were in their last chunk: it ran overlapped too) and ran every running request;
+nothing waits that the next schedule could admit (all max_num_seqs slots taken, and nothing
+waits at all when a request ends by length: those are left out of the blind step); no
+request needs state the unknown token changes (penalties, min_tokens bans, seeded sampling,
+logprobs); and the cache has the blocks for one more token of each (no preemption). Otherwise the engine waits and schedules normally. A request that stops on
 the token the host has not seen yet (eos, stop token, stop string, abort) has one wasted row
 in the step already launched; its output is dropped, and its blocks are freed only after
 that step completed (KVCacheManager.fence): a KV import from another process must not land
@@ -93,47 +93,60 @@ def can_overlap(sample_reqs: list[Request], batch: SamplingBatch | None) -> bool
                                      for r in sample_reqs)
 
 
-def can_follow(prev: Launched, sched: Scheduler) -> bool:
-    """Whether the step after `prev` may be launched before prev's tokens are known: it
-    would be scheduled exactly as `follow` builds it (see the module docstring). prev may
-    be a mixed step whose prompts were all in their last chunk (every row sampled): the step
-    after it decodes every request of it."""
+def plan_follow(prev: Launched, sched: Scheduler) -> list[tuple[ScheduledSeq, Request]] | None:
+    """Whether the step after `prev` may be launched before prev's tokens are known, i.e.
+    would be scheduled exactly as `follow` builds it (see the module docstring): the
+    (prev's scheduled seq, request) pairs it continues, or None. prev may be a mixed step
+    whose prompts were all in their last chunk (every row sampled): the step after it decodes
+    every request of it. A request that prev's token ends by length (max_tokens, the model
+    length) is left out: the scheduler would not run it again either."""
     # a waiting request could be admitted (or failed) by the next schedule unless every
     # sequence slot is taken (the scheduler then looks at no waiting request at all)
     if sched.waiting and len(sched.running) < sched.cfg.max_num_seqs:
-        return False
+        return None
     if not prev.overlapped or sched.running != prev.sample_reqs:
-        return False
+        return None
     if not all(s.sample for s in prev.sched.scheduled):
-        return False
+        return None
     kv = sched.kv
-    need = 0
+    need, keep = 0, []
     for s, r in zip(prev.sched.scheduled, prev.sample_reqs):
         p = r.params
         n_out = len(r.output_token_ids)  # prev's token not yet among them
-        if (r.finished or r.prefill_only or n_out + 1 >= p.max_tokens
-                or r.num_tokens + 1 >= sched.max_len or n_out < p.min_tokens
+        if (r.finished or r.prefill_only or n_out < p.min_tokens
                 or p.needs_penalties or p.logprobs is not None
                 or (p.seed is not None and p.temperature != 0.0)):
-            return False
+            return None
+        if n_out + 1 >= p.max_tokens or r.num_tokens + 1 >= sched.max_len:
+            continue  # prev's token ends it (scheduler._check_stop's length rule)
+        keep.append((s, r))
         # prev computes positions num_computed.. (s.num_tokens of them); the next step the
         # one after them
         need += max(0, kv.blocks_needed(r, s.num_tokens + 1))
-    return need <= kv.num_free_blocks
+    if not keep or (len(keep) < len(prev.sample_reqs) and sched.waiting):
+        return None  # nothing left, or a slot frees for a waiting request
+    return keep if need <= kv.num_free_blocks else None
 
 
-def follow(prev: Launched, sched: Scheduler, seq: int):
-    """The step after `prev` (can_follow said yes): its schedule and runner rows, the blocks
-    for one more token of each request taken now. Input tokens are placeholders: the runner
-    takes them from prev's device tensor."""
+def follow(prev: Launched, keep: list[tuple[ScheduledSeq, Request]], sched: Scheduler, seq: int,
+           sampling_batch):
+    """The step after `prev` for the requests plan_follow kept: its Launched, runner rows and
+    the device tensor of its input tokens (prev's tokens, or those of the kept rows); the
+    blocks for one more token of each request are taken now. sampling_batch(reqs) builds a
+    SamplingBatch when some of prev's requests were left out."""
     from engine.runner import StepInput
 
     rows = []
-    for s, r in zip(prev.sched.scheduled, prev.sample_reqs):
+    for s, r in keep:
         n = s.num_tokens  # 1, or a prompt's last chunk
         if not sched.kv.allocate(r, n + 1):  # covers num_computed + n + 1 tokens
             raise RuntimeError(f"overlapped decode: no block for request {r.request_id!r}")
         rows.append(StepInput(r.request_id, [0], r.num_computed_tokens + n,
                               sched.kv.block_ids(r.request_id), True))
-    out = SchedulerOutput([ScheduledSeq(r, 1, True) for r in prev.sample_reqs])
-    return Launched(out, list(prev.sample_reqs), prev.batch, seq), rows
+    reqs = [r for _, r in keep]
+    out = SchedulerOutput([ScheduledSeq(r, 1, True) for r in reqs])
+    if len(reqs) == len(prev.sample_reqs):
+        return Launched(out, reqs, prev.batch, seq), rows, prev.tokens
+    pos = {id(r): i for i, r in enumerate(prev.sample_reqs)}
+    idx = torch.tensor([pos[id(r)] for r in reqs], dtype=torch.long, device=prev.tokens.device)
+    return Launched(out, reqs, sampling_batch(reqs), seq), rows, prev.tokens.index_select(0, idx)

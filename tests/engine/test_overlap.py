@@ -283,3 +283,29 @@ def test_a_full_batch_with_a_queue_still_overlaps():
     assert got == want
     assert any(w and fl for w, fl in seen)  # blind steps while requests waited
     _no_leak(eng)
+
+
+def test_requests_ending_by_length_are_left_out_of_the_blind_step():
+    """Requests of different max_tokens, nothing waiting: when the unseen token ends one by
+    length, the blind step goes on with the others (a subset of the tokens on the device), so
+    no step runs synchronously after the first; the same tokens and reasons."""
+    reqs = [(f"r{i}", p, _greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS, (5, 9, 13, 20)))]
+    want = _run(_engine(False), reqs)
+    eng = _engine(True)
+    gaps = []
+    got = _run(eng, reqs, {i: (lambda e: gaps.append(e.has_unfinished() and e._inflight is None))
+                           for i in range(60)})
+    assert got == want and not any(gaps)
+    assert eng.num_overlapped_steps == 19  # every decode step after the prompts' step
+    _no_leak(eng)
+
+
+def test_a_length_end_with_a_queue_runs_synchronously():
+    """A request ends by length while another waits for its slot: the next schedule admits
+    it, so that step is not launched blind; the same tokens as the synchronous engine."""
+    reqs = [("a", PROMPTS[0], _greedy(4)), ("b", PROMPTS[1], _greedy(12)), ("c", PROMPTS[2], _greedy(6))]
+    want = _run(_engine(False, max_num_seqs=2), reqs)
+    eng = _engine(True, max_num_seqs=2)
+    got = _run(eng, reqs)
+    assert got == want and eng.num_overlapped_steps > 0
+    _no_leak(eng)
