@@ -143,18 +143,22 @@ def test_slab_gemv_decode_matches_hf_and_replays(hf_dir, monkeypatch):
         sc.default_config.cache_clear()
 
 
+def _overlap_engine(path):
+    # no prefix caching: every run prefills the same way, so runs can compare bit for bit
+    return Engine(EngineConfig(
+        model=ModelConfig(model=path, dtype="bf16", max_model_len=2048),
+        cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+        device=DeviceConfig(device="cuda", cuda_graph_max_batch=8)))
+
+
 def test_overlapped_decode_matches_synchronous(hf_dir):
     """Overlapped decode on the GPU (graph replays fed the previous step's tokens on the
     device, tokens read back through pinned memory) produces the synchronous engine's tokens,
     also for a request that stops on a token the host had not seen when the next step left."""
     path, _ = hf_dir
     prompts = _prompts(3)
-    # no prefix caching: every run prefills the same way, so the runs compare bit for bit
-    eng = Engine(EngineConfig(
-        model=ModelConfig(model=path, dtype="bf16", max_model_len=2048),
-        cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=8),
-        device=DeviceConfig(device="cuda", cuda_graph_max_batch=8)))
+    eng = _overlap_engine(path)
     assert eng.overlap  # on by default on CUDA
     eng.overlap = False
     base = _run(eng, prompts, 24)
@@ -190,11 +194,7 @@ def test_overlapped_mixed_step_on_the_gpu(hf_dir):
     shapes, and bf16 rounding, can differ: most tokens, not all, are compared)."""
     path, _ = hf_dir
     prompts = _prompts(3)
-    eng = Engine(EngineConfig(
-        model=ModelConfig(model=path, dtype="bf16", max_model_len=2048),
-        cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=8),
-        device=DeviceConfig(device="cuda", cuda_graph_max_batch=8)))
+    eng = _overlap_engine(path)
     late = _prompts(4)[3]
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
