@@ -133,12 +133,14 @@ def _engine_loop(eng, batch: int, ctx: int, steps: int, tag: str = "loop") -> di
 def arrivals_loop(eng, batch: int, ctx: int, steps: int, every: int = 8, prompt_len: int = 128,
                   tag: str = "arr") -> dict:
     """Continuous batching in a steady state: `batch` requests decode, one of them ends (by
-    length) every `every` steps and a new request with a prompt_len-token prompt takes its
+    length) every `every` steps and a new request with a prompt_len-token prompt (at most
+    ctx tokens, so it fits wherever the first prompts did) takes its
     place, so about one step in `every` is mixed (a prompt beside the decode rows). Over
     `steps` Engine.step() calls after the first prompts: wall ms per step, generated tokens
     per second, and how many steps were mixed and how many were launched blind."""
     gen = torch.Generator().manual_seed(1)
     vocab = eng.arch.vocab_size
+    prompt_len = min(prompt_len, ctx)
     live: set[str] = set()
     count = 0
 

@@ -122,13 +122,18 @@ def _serving_loop(eng, shape: str, cases, steps: int = 48) -> list[dict]:
     """Time per decode step of the engine's serving loop (Engine.step(): scheduling,
     staging, replay, sampling, token readback, outputs) in a real greedy generation, with
     overlapped decode off (sync_ms) and on (tpot_ms, the default on CUDA): the TPOT a client
-    sees, next to the graph step above."""
+    sees, next to the graph step above; and a steady state with arrivals (bench.decode_loop's
+    arrivals_loop: a request ends and a 128-token prompt arrives every 8 steps), generated
+    tokens per second with the overlap off and on."""
     out = []
     for b, c in cases:
-        loops = both_loops(eng, b, c, steps, tag=f"{b}x{c}-")
+        loops = both_loops(eng, b, c, steps, tag=f"{b}x{c}-", arrivals=True)
+        sync, ov = loops["sync"], loops["overlap"]
         out.append({"shape": shape, "case": f"serving loop b={b} ctx={c}",
-                    "sync_ms": round(loops["sync"]["engine_ms"], 3),
-                    "tpot_ms": round(loops["overlap"]["engine_ms"], 3)})
+                    "sync_ms": round(sync["engine_ms"], 3), "tpot_ms": round(ov["engine_ms"], 3),
+                    "arrivals_sync_tok_s": round(sync["arr_tok_s"], 1),
+                    "arrivals_tok_s": round(ov["arr_tok_s"], 1),
+                    "arrivals_blind_steps": ov["arr_blind"], "arrivals_mixed_steps": ov["arr_mixed"]})
         print("  ", out[-1], flush=True)
     return out
 
@@ -184,7 +189,7 @@ def main() -> None:
                              + (" (serving loop TPOT)" if mine is tpot else " (graph step)"),
                              "graph_ms": round(hf / mine, 1)})
     print_table(rows, ["shape", "case", "graph_ms", "eager_ms", "sync_ms", "tpot_ms", "floor_ms",
-                       "floor/graph", "tflops"])
+                       "floor/graph", "tflops", "arrivals_sync_tok_s", "arrivals_tok_s"])
     path = write_result("engine_gpu", {"shapes": a.shapes, "dtype": "bf16", "block_size": 16,
                                        "recaptures": a.recaptures,
                                        "copy_gbs": round(bw, 1), "gemm_tflops": round(tf, 1)},

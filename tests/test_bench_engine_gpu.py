@@ -27,7 +27,9 @@ def test_serving_loop_times_both_modes_and_restores_the_switch():
 
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
                               cache=CacheConfig(block_size=16, num_blocks=64), device=DeviceConfig(device="cpu")))
-    out = eg._serving_loop(eng, "tiny", [(2, 20)], steps=5)
+    out = eg._serving_loop(eng, "tiny", [(2, 20)], steps=10)  # an arrival every 8 steps
     assert [r["case"] for r in out] == ["serving loop b=2 ctx=20"]
     assert out[0]["sync_ms"] > 0 and out[0]["tpot_ms"] > 0
+    assert out[0]["arrivals_sync_tok_s"] > 0 and out[0]["arrivals_tok_s"] > 0
+    assert out[0]["arrivals_mixed_steps"] >= 1 and out[0]["arrivals_blind_steps"] >= 1
     assert eng.overlap is False and eng.num_overlapped_steps >= 3 and not eng.has_unfinished()
