@@ -87,8 +87,9 @@ class TokenReadback:
 
 
 def can_overlap(sample_reqs: list[Request], batch: SamplingBatch | None) -> bool:
-    """Whether a decode-only step of these requests may run overlapped (its tokens read back
-    later, no logprobs): the sampler needs nothing from the host after launch."""
+    """Whether a step whose every row samples these requests (decode rows, prompts in their
+    last chunk) may run overlapped (its tokens read back later, no logprobs, no layer-by-layer
+    KV push of a prefill-only request): the sampler needs nothing from the host after launch."""
     return batch is not None and all(r.params.logprobs is None and not r.prefill_only
                                      for r in sample_reqs)
 
