@@ -158,7 +158,7 @@ class Engine:
         if keep:
             nxt, rows, tokens = follow(cur, keep, self.scheduler, self._next_seq(),
                                        self.runner.sampling_batch)
-            self._launch_decode(nxt, rows, token_src=tokens)
+            self._launch_overlapped(nxt, rows, token_src=tokens)
             self._inflight = nxt
             self.num_overlapped_steps += 1
         outputs += self._complete(cur)
@@ -183,7 +183,7 @@ class Engine:
         # so the next step may follow before they reach the host (can_overlap: no layer
         # streaming, no host-side sampling state)
         if self.overlap and all(r.sample for r in rows) and can_overlap(sample_reqs, batch):
-            self._launch_decode(launched, rows)
+            self._launch_overlapped(launched, rows)
             return launched
         streamed = [(s.req.request_id, rows[i].block_ids, s.req.num_prompt_tokens)
                     for i, s in enumerate(sched.scheduled)
@@ -198,11 +198,11 @@ class Engine:
             self.layer_streamer.end_step()
         return launched
 
-    def _launch_decode(self, launched: Launched, rows, token_src=None) -> None:
+    def _launch_overlapped(self, launched: Launched, rows, token_src=None) -> None:
         """An overlapped step (decode, or every prompt in its last chunk): run and sample on
         the device, start the tokens' copy to the host; blocks freed from now on wait until
         this step is known complete."""
-        launched.tokens = self.runner.launch_decode(rows, launched.batch, token_src)
+        launched.tokens = self.runner.launch_overlapped(rows, launched.batch, token_src)
         self._readback.start(launched)
         self.kv.fence = launched.seq
 

@@ -234,19 +234,18 @@ class ModelRunner:
         return out, logits
 
     @torch.inference_mode()
-    def launch_decode(self, rows: list[StepInput], sampling: SamplingBatch,
-                      token_src: torch.Tensor | None = None) -> torch.Tensor:
+    def launch_overlapped(self, rows: list[StepInput], sampling: SamplingBatch,
+                          token_src: torch.Tensor | None = None) -> torch.Tensor:
         """A step whose every row samples (decode rows; without token_src also prompts in
         their last chunk) run and sampled on the device without waiting for it: returns the
         token ids [n] as a device tensor (no logprobs).
         token_src: the input token ids of decode rows as a device tensor [n] instead of the
         rows' (the previous step's tokens, still on the device: engine/engine.py's overlapped
         decode)."""
-        decode = all(len(r.token_ids) == 1 for r in rows)
-        if not decode:
+        if not all(len(r.token_ids) == 1 for r in rows):
             if token_src is not None:
                 raise ValueError("token_src takes decode rows only")
-            logits = self.prefill_graphs.run(rows) if self.prefill_graphs is not None else None
+            logits = self._replay(rows)  # a prefill graph, or None: eager
             if logits is None:
                 logits = self._eager_logits(rows)
             return self.sampler.tokens(logits, sampling)

@@ -34,6 +34,7 @@ import triton.language as tl
 ENABLED = False
 PROBE = False  # also time the decode split's first block-id and K/V loads (slots 6, 7)
 SLOTS = 8
+_SLOTS = tl.constexpr(SLOTS)  # the same, for the kernels
 # (kernel name, int64 [programs, SLOTS]) per traced launch, in launch order; only launches
 # made while a CUDA graph is being captured are kept when CAPTURED_ONLY (a replay rewrites
 # those buffers in place, so after one replay they hold that replay's stamps)
@@ -107,14 +108,14 @@ def sm_id():
 
 @triton.jit
 def stamp(trace_ptr, pid, slot: tl.constexpr, dep):
-    tl.store(trace_ptr + pid.to(tl.int64) * 8 + slot, now(dep))
+    tl.store(trace_ptr + pid.to(tl.int64) * _SLOTS + slot, now(dep))
 
 
 @triton.jit
 def stamp_entry(trace_ptr, pid):
     """slots 0 (SM) and 1 (entry); slots 2-4 default to the entry (kernels overwrite them)."""
     t = now(pid)
-    row = trace_ptr + pid.to(tl.int64) * 8
+    row = trace_ptr + pid.to(tl.int64) * _SLOTS
     tl.store(row, sm_id().to(tl.int64))
     tl.store(row + 1, t)
     tl.store(row + 2, t)

@@ -194,7 +194,7 @@ class CausalLM(torch.nn.Module):
         materialising an fp32 copy of a 128k-vocab lm_head per step would cost GBs."""
         w = self.lm_head_weight
         if self._use_skinny(hidden):
-            from engine.kernels.skinny_gemm import next_norm_fuses, norm_separate, skinny_linear
+            from engine.kernels.skinny_gemm import skinny_linear
 
             return skinny_linear(hidden.to(w.dtype), w, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
