@@ -152,10 +152,21 @@ def arrivals_loop(eng, batch: int, ctx: int, steps: int, every: int = 8, prompt_
                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         live.add(rid)
 
+    def replace_finished(outputs) -> int:
+        n = 0
+        for o in outputs:
+            n += len(o.new_token_ids)
+            if o.finished:
+                live.discard(o.request_id)
+                add(prompt_len, every * batch)  # it ends in turn, `batch` arrivals later
+        return n
+
     for i in range(batch):  # staggered lengths: one request ends every `every` steps
         add(ctx, every * (i + 1))
+    # Until every live request holds its first token. With many long prompts the first ones
+    # can end (by length) while later ones are still in prefill: those are replaced already.
     while not all(eng.requests[r].output_token_ids for r in live):
-        eng.step()
+        replace_finished(eng.step())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     blind0, tokens, mixed = eng.num_overlapped_steps, 0, 0
@@ -171,11 +182,7 @@ def arrivals_loop(eng, batch: int, ctx: int, steps: int, every: int = 8, prompt_
     t0 = time.perf_counter()
     try:
         for _ in range(steps):
-            for o in eng.step():
-                tokens += len(o.new_token_ids)
-                if o.finished:
-                    live.discard(o.request_id)
-                    add(prompt_len, every * batch)  # it ends in turn, `batch` arrivals later
+            tokens += replace_finished(eng.step())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0

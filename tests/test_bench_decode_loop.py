@@ -43,3 +43,18 @@ def test_arrivals_loop_steady_state():
         assert not eng.has_unfinished() and eng.scheduler.schedule == schedule
     assert res[False]["arr_mixed"] >= 4 and res[False]["arr_blind"] == 0
     assert res[True]["arr_blind"] >= 8 and res[True]["arr_tok_s"] > 0
+
+
+def test_arrivals_loop_first_requests_end_during_prefill():
+    """With prompts chunked over many steps, the first requests end (by length) while later
+    prompts are still in prefill: they are replaced, not looked up after they left (a KeyError
+    at 8B batch 64, ctx 2048 on the H200)."""
+    from bench.decode_loop import arrivals_loop
+    from engine.config import SchedulerConfig
+
+    eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
+                              cache=CacheConfig(block_size=16, num_blocks=64),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8),
+                              device=DeviceConfig(device="cpu")))
+    got = arrivals_loop(eng, batch=6, ctx=20, steps=8, every=2, prompt_len=5, tag="early")
+    assert got["arr_tok_s"] > 0 and not eng.has_unfinished()
