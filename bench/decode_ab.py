@@ -259,7 +259,9 @@ def engine_attr_ab(shape: str, reps: int, spec: str, cases) -> list[dict]:
 
 def _ab(shape: str, name: str, cases, set_a, set_b, reps: int) -> list[dict]:
     """One engine sized for `cases` (batch, ctx); per rep, set_a(eng) then set_b(eng), each
-    followed by a graph re-capture and a timed step per case; medians per side."""
+    followed by a graph re-capture and a timed step per case; medians per side. The step is
+    the staged graph's replay (time_decode's replay_ms: GPU time, no host staging, whose
+    jitter made A/Bs before 2026-12-03 19:20 bimodal by ~3%)."""
     cases = list(cases)
     max_ctx = max(c for _, c in cases)
     max_b = max(b for b, _ in cases)
@@ -272,7 +274,8 @@ def _ab(shape: str, name: str, cases, set_a, set_b, reps: int) -> list[dict]:
                 setter(eng)
                 eng.runner.maybe_capture_graphs(eng.max_model_len, eng.runner.model.attn_backend.name)
                 for b, c in cases:
-                    t[(b, c)][side].append(time_decode(eng, b, c, eager=False)["graph_ms"])
+                    td = time_decode(eng, b, c, eager=False)
+                    t[(b, c)][side].append(td.get("replay_ms", td["graph_ms"]))
     finally:
         del eng
         gc.collect()

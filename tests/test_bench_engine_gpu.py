@@ -9,15 +9,18 @@ def test_recaptured_takes_the_median_over_captures(monkeypatch):
     runner = SimpleNamespace(graphs=object(), model=SimpleNamespace(attn_backend=SimpleNamespace(name="triton")),
                              maybe_capture_graphs=lambda max_len, backend: captures.append((max_len, backend)))
     eng = SimpleNamespace(runner=runner)
-    times = iter([4.3, 9.9, 4.0, 9.5])  # (1, 1024), (64, 2048) after capture 1, then after capture 2
-    monkeypatch.setattr(eg, "time_decode", lambda e, b, c, eager=True: {"graph_ms": next(times)})
-    rows = [{"shape": "s", "case": "decode b=1 ctx=1024", "graph_ms": 4.1},
-            {"shape": "s", "case": "decode b=64 ctx=2048", "graph_ms": 9.7}]
+    # (1, 1024), (64, 2048) after capture 1, then after capture 2: (graph_ms, replay_ms)
+    times = iter([(4.3, 4.0), (9.9, 9.0), (4.0, 3.95), (9.5, 9.1)])
+    monkeypatch.setattr(eg, "time_decode", lambda e, b, c, eager=True: dict(
+        zip(("graph_ms", "replay_ms"), next(times))))
+    rows = [{"shape": "s", "case": "decode b=1 ctx=1024", "graph_ms": 4.1, "replay_ms": 3.9},
+            {"shape": "s", "case": "decode b=64 ctx=2048", "graph_ms": 9.7, "replay_ms": 8.9}]
     out = eg._recaptured(eng, "s", [(1, 1024), (64, 2048)], rows, 2, 2048)
     assert captures == [(2112, "triton")] * 2
-    assert [(r["case"], r["graph_ms"], r["samples"]) for r in out] == [
-        ("decode b=1 ctx=1024 median of 3 captures", 4.1, [4.1, 4.3, 4.0]),
-        ("decode b=64 ctx=2048 median of 3 captures", 9.7, [9.7, 9.9, 9.5])]
+    assert [(r["case"], r["graph_ms"], r["samples"], r["replay_ms"], r["replay_samples"])
+            for r in out] == [
+        ("decode b=1 ctx=1024 median of 3 captures", 4.1, [4.1, 4.3, 4.0], 3.95, [3.9, 4.0, 3.95]),
+        ("decode b=64 ctx=2048 median of 3 captures", 9.7, [9.7, 9.9, 9.5], 9.0, [8.9, 9.0, 9.1])]
     assert eg._recaptured(eng, "s", [(1, 1024)], rows, 0, 2048) == []  # --recaptures 0
 
 
