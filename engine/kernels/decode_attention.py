@@ -289,6 +289,11 @@ BATCH_TILE = True  # module switch (bench.decode_ab --attr-b)
 # batch 1 -2.3% at ctx 1024 (4.269 -> 4.172 ms) and -1.7% at ctx 4096, batch 8 -0.7%; the cut
 # alone +0.9 / +0.4 / -0.5%; the 64-token tile alone, with the PDL launch (eighth session and
 # earlier), no gain. Batches above 8 and 64-wide heads (1B) keep TILE_16BIT, unmeasured so.
+# Second A/B, on the graph replay alone (decode_ab-20261203T192156): without this tile +1.2 /
+# +0.2 / +2.1%. Variants of it (decode_ab-20261203T191656, step times with host staging, so
+# ~1.5% noise; -T192156 on the replay): 2 warps +0.5 / +0.6 / +1.4%; 1 program per SM +0.9 /
+# +2.7 / +2.9%; 4 per SM +0.1 / -2.1 / +1.8%; 32-token tiles -0.3 / +1.5 / +2.5%, with 4 per
+# SM +2.5 / +2.1 / +2.0%: none kept.
 TILE_16BIT_FEW = DecodeTile(64, 4, 2, False, programs_per_sm=2, min_tiles_per_split=1, cut=True)
 FEW_PAIRS = 64
 FEW_TILE = True  # module switch (bench.decode_ab --attr-b)
