@@ -89,7 +89,7 @@ def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
             raise SystemExit(f"switch {part!r}: {text!r} is not a Python literal") from None
         current = getattr(obj, names[-1])
         if dataclasses.is_dataclass(current) and isinstance(value, dict):
-            # a frozen config (e.g. decode_attention.TILE_16BIT): the given fields replaced
+            # a frozen config (e.g. decode_tiles.TILE_16BIT): the given fields replaced
             try:
                 value = dataclasses.replace(current, **value)
             except TypeError as e:

@@ -21,7 +21,7 @@ table says).
 A/Bs, and one spec may set several attributes joined by '&' (a candidate skinny table with
 other switches: engine.kernels.skinny_configs.CONFIG_DIR='DIR' holding skinny_gemm-<gpu>.json;
 a dataclass attribute takes a dict of the fields to change, e.g.
-engine.kernels.decode_attention.TILE_16BIT={'block_n': 32, 'num_warps': 4}).
+engine.kernels.decode_tiles.TILE_16BIT={'block_n': 32, 'num_warps': 4}).
 --attn-cost: diagnostic, whole decode steps with attention (A) vs with the attention call
 skipped (B), i.e. what attention costs inside a step, for the cases of --cases.
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
@@ -58,6 +58,7 @@ import statistics
 import torch
 
 import engine.kernels.decode_attention as da
+import engine.kernels.decode_tiles as dt
 from bench.common import parse_attrs, print_table, write_result
 from bench.engine_gpu_steps import make_engine, time_decode
 from bench.timing import copy_bandwidth_gbs, graph_time_ms
@@ -153,7 +154,7 @@ def attention_splits(d: int = D) -> list[dict]:
 
 # the 16-bit tile before 2026-12-03; its split rule then rounded programs_per_sm x SMs / pairs
 # up (ceil) where the current rule rounds down, a difference of at most one split
-OLD_TILE = da.DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
+OLD_TILE = dt.DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
 
 
 def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="attn tile old(A)/new(B)",
@@ -162,26 +163,26 @@ def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="at
     """Whole decode steps: the 16-bit decode attention tile tile_a (default: the tile before
     2026-12-03) vs tile_b (default: the current one), at every batch: the batch tiles are off
     on both sides, else batches that fill the default tile's wave would run the same tile."""
-    new, batch_tile = da.TILE_16BIT, da.BATCH_TILE
+    new, batch_tile = dt.TILE_16BIT, dt.BATCH_TILE
 
     def tile(t):
         def use(_eng):
-            da.TILE_16BIT, da.BATCH_TILE = t, False
+            dt.TILE_16BIT, dt.BATCH_TILE = t, False
         return use
 
     try:
         return _ab(shape, name, cases, tile(tile_a), tile(tile_b or new), reps)
     finally:
-        da.TILE_16BIT, da.BATCH_TILE = new, batch_tile
+        dt.TILE_16BIT, dt.BATCH_TILE = new, batch_tile
 
 
-def parse_tile(spec: str) -> da.DecodeTile:
+def parse_tile(spec: str) -> dt.DecodeTile:
     """'128,8,3,0,2,1' -> DecodeTile(block_n, warps, stages, prefetch, programs_per_sm,
     min_tiles_per_split)."""
     v = [int(x) for x in spec.split(",")]
     if len(v) != 6:
         raise SystemExit(f"--tile-b {spec!r}: want BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES")
-    return da.DecodeTile(v[0], v[1], v[2], bool(v[3]), programs_per_sm=v[4], min_tiles_per_split=v[5])
+    return dt.DecodeTile(v[0], v[1], v[2], bool(v[3]), programs_per_sm=v[4], min_tiles_per_split=v[5])
 
 
 def engine_attn_cost_ab(shape: str, reps: int, cases) -> list[dict]:
@@ -341,7 +342,7 @@ def main() -> None:
                 for spec in a.tile_b.split(";"):
                     tile = parse_tile(spec)
                     print(f"[{shape}] attention tile A/B: default vs {tile}", flush=True)
-                    erows += engine_tile_ab(shape, a.reps, da.TILE_16BIT, tile,
+                    erows += engine_tile_ab(shape, a.reps, dt.TILE_16BIT, tile,
                                             f"attn tile default(A)/{spec}(B)", cases)
                 continue
             print(f"[{shape}] {'matmul path' if a.fused_ab else 'attention tile'} A/B", flush=True)

@@ -15,15 +15,15 @@ def test_parse_attrs_resolves_modules_and_classes():
 
 
 def test_parse_attrs_replaces_dataclass_fields():
-    from engine.kernels import decode_attention as da
+    from engine.kernels import decode_tiles as da
 
-    [(obj, name, tile)] = parse_attrs("engine.kernels.decode_attention.TILE_16BIT="
+    [(obj, name, tile)] = parse_attrs("engine.kernels.decode_tiles.TILE_16BIT="
                                       "{'block_n': 32, 'num_warps': 4, 'programs_per_sm': 4}")
     assert (obj, name) == (da, "TILE_16BIT")
     assert (tile.block_n, tile.num_warps, tile.programs_per_sm) == (32, 4, 4)
     assert tile.num_stages == da.TILE_16BIT.num_stages  # the other fields kept
     with pytest.raises(SystemExit):
-        parse_attrs("engine.kernels.decode_attention.TILE_16BIT={'no_such_field': 1}")
+        parse_attrs("engine.kernels.decode_tiles.TILE_16BIT={'no_such_field': 1}")
 
 
 @pytest.mark.parametrize("spec", ["engine.kernels.rmsnorm.PDX=1",  # typo: no such attribute
@@ -39,7 +39,7 @@ def test_tile_ab_runs_its_tiles_at_every_batch(monkeypatch):
     """decode_ab's tile A/B turns the batch tiles off on both sides (else large batches would
     run the same tile on A and B), and puts the module back afterwards."""
     import bench.decode_ab as ab
-    from engine.kernels import decode_attention as da
+    from engine.kernels import decode_tiles as da
 
     seen = []
 

@@ -59,7 +59,7 @@ def test_decode_empty_sequence_gives_zeros(device):
 
 
 def test_choose_num_splits_is_shape_only_and_bounded():
-    from engine.kernels.decode_attention import choose_num_splits
+    from engine.kernels.decode_tiles import choose_num_splits
 
     cpu = torch.device("cpu")  # nominal 8 SMs
     assert choose_num_splits(1, 1, 256, 16, 64, cpu) > 1       # tiny batch, long context: split
@@ -72,7 +72,7 @@ def test_choose_num_splits_is_shape_only_and_bounded():
 def test_split_rule_keeps_one_wave_and_a_tile_per_split(seqs, heads):
     """At most programs_per_sm x SMs programs (one wave) while a split is possible, and never
     a split without a whole KV tile (CPU: a nominal 8 SMs)."""
-    from engine.kernels.decode_attention import choose_num_splits
+    from engine.kernels.decode_tiles import choose_num_splits
 
     cpu = torch.device("cpu")
     for max_blocks in (1, 7, 64, 512):
@@ -86,7 +86,7 @@ def test_split_rule_keeps_one_wave_and_a_tile_per_split(seqs, heads):
 
 
 def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
-    import engine.kernels.decode_attention as da
+    import engine.kernels.decode_tiles as da
 
     cpu = torch.device("cpu")  # nominal 8 SMs: the default tile's wave is 2 x 8 = 16 programs
     monkeypatch.setattr(da, "BATCH_TILE", True)
@@ -107,7 +107,7 @@ def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
 def test_decode_few_tile_matches_reference(few_tile, device, monkeypatch):
     """Few sequences of 128-wide heads take TILE_16BIT_FEW (64-token tiles, its launch cut):
     the same results as the reference, with and without it."""
-    import engine.kernels.decode_attention as da
+    import engine.kernels.decode_tiles as da
 
     monkeypatch.setattr(da, "FEW_TILE", few_tile)
     seq_lens = [1, 63, 64, 65, 200]
@@ -123,7 +123,7 @@ def test_decode_few_tile_matches_reference(few_tile, device, monkeypatch):
 def test_decode_batch_tile_matches_reference(batch_tile, device, monkeypatch):
     """Enough (sequence, KV head) pairs for the batch tile on a nominal 8 SMs (16+; the GPU's
     SM count is patched to that), with and without it: same results as the reference."""
-    import engine.kernels.decode_attention as da
+    import engine.kernels.decode_tiles as da
 
     monkeypatch.setattr(da, "BATCH_TILE", batch_tile)
     monkeypatch.setattr(da, "num_sms", lambda _device: 8)
