@@ -137,7 +137,8 @@ def arrivals_loop(eng, batch: int, ctx: int, steps: int, every: int = 8, prompt_
     ctx tokens, so it fits wherever the first prompts did) takes its
     place, so about one step in `every` is mixed (a prompt beside the decode rows). Over
     `steps` Engine.step() calls after the first prompts: wall ms per step, generated tokens
-    per second, and how many steps were mixed and how many were launched blind."""
+    per second, and how many steps were mixed (scheduled, or launched blind with the
+    arrival admitted into them) and how many were launched blind."""
     gen = torch.Generator().manual_seed(1)
     vocab = eng.arch.vocab_size
     prompt_len = min(prompt_len, ctx)
@@ -170,15 +171,18 @@ def arrivals_loop(eng, batch: int, ctx: int, steps: int, every: int = 8, prompt_
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     blind0, tokens, mixed = eng.num_overlapped_steps, 0, 0
-    schedule = eng.scheduler.schedule
+    runner = eng.runner
+    launches = {name: getattr(runner, name) for name in ("execute", "launch_overlapped")}
 
-    def counted():
-        out = schedule()
-        nonlocal mixed
-        mixed += any(s.num_tokens > 1 for s in out.scheduled)
-        return out
+    def counted(fn):
+        def run(rows, *a, **kw):  # every model step, scheduled or launched blind
+            nonlocal mixed
+            mixed += any(len(r.token_ids) > 1 for r in rows)
+            return fn(rows, *a, **kw)
+        return run
 
-    eng.scheduler.schedule = counted
+    for name, fn in launches.items():
+        setattr(runner, name, counted(fn))
     t0 = time.perf_counter()
     try:
         for _ in range(steps):
@@ -187,7 +191,8 @@ def arrivals_loop(eng, batch: int, ctx: int, steps: int, every: int = 8, prompt_
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     finally:
-        eng.scheduler.schedule = schedule
+        for name, fn in launches.items():
+            setattr(runner, name, fn)
         for rid in list(live):
             eng.abort(rid)
         while eng.has_unfinished():

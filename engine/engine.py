@@ -148,9 +148,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         if cur is None:
             sched = self.scheduler.schedule()
-            for req in getattr(sched, "failed", []) or []:
-                outputs.append(self._finish_error(req, getattr(req, "error", None)
-                                                  or "request cannot fit in the KV cache"))
+            outputs += self._failed(sched)
             if not sched.scheduled:
                 return outputs
             cur = self._launch(sched)
@@ -158,11 +156,17 @@ class Engine:
         if keep:
             nxt, rows, tokens = follow(cur, keep, self.scheduler, self._next_seq(),
                                        self.runner.sampling_batch)
+            outputs += self._failed(nxt.sched)
             self._launch_overlapped(nxt, rows, token_src=tokens)
             self._inflight = nxt
             self.num_overlapped_steps += 1
         outputs += self._complete(cur)
         return outputs
+
+    def _failed(self, sched) -> list[RequestOutput]:
+        """Error outputs of the waiting requests a schedule dropped (they can never run)."""
+        return [self._finish_error(req, getattr(req, "error", None) or "request cannot fit in the KV cache")
+                for req in getattr(sched, "failed", []) or []]
 
     def _next_seq(self) -> int:
         self._seq += 1

@@ -257,15 +257,19 @@ class PrefillGraphRunner(BucketGraphs):
         self.last = st
         return st
 
-    def run(self, rows: Sequence[_Row]) -> torch.Tensor | None:
+    def run(self, rows: Sequence[_Row], token_src: torch.Tensor | None = None) -> torch.Tensor | None:
         """Replay for a prefill / mixed batch: logits [num_sampled, vocab] of the sampled rows
         in row order, or None (caller runs eager; counted). The logits are a view of the static
-        buffer: valid until the next prefill replay."""
+        buffer: valid until the next prefill replay.
+        token_src: the input ids of the leading rows (one token each: decode rows whose tokens
+        the previous step sampled, still on the device), copied over the staged ones."""
         b, why = self.plan(rows)
         if b is None:
             self._fallback(why)
             return None
         st = self.stage(rows, b)
+        if token_src is not None:
+            self.staging.d.input_ids[:token_src.shape[0]].copy_(token_src, non_blocking=True)
         self.graphs[b].replay()
         self.replays += 1
         return self.logits[:st.num_sampled]

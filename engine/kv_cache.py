@@ -96,8 +96,12 @@ class KVCacheManager:
         self._pending_stats[rid] = (len(tokens), hit)
         return hit
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens."""
+    def cache_full_blocks(self, req: Request, num_computed: int | None = None) -> None:
+        """Register the request's blocks that are now full of computed tokens.
+        num_computed: count the request's tokens as computed up to there (default: its
+        num_computed_tokens): a step launched on the device computes them before anything
+        launched after it runs, so blocks it completes may be hit by a later step already
+        (engine/overlap.py); tokens not yet known on the host are never hashed."""
         if not self.enable_prefix_caching:
             return
         rid = req.request_id
@@ -105,7 +109,8 @@ class KVCacheManager:
         if not table:
             return
         hashes = self._hashes.setdefault(rid, [])
-        n_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        done = req.num_computed_tokens if num_computed is None else num_computed
+        n_full = min(done, req.num_tokens) // self.block_size
         n_full = min(n_full, len(table))
         if n_full <= len(hashes):
             return  # the common decode step: no block completed (skip building all_token_ids)

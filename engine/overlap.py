@@ -10,13 +10,17 @@ computes instead of leaving it idle.
               outputs of S_k
     step k+1: (S_k+1 already in flight) launch S_k+2 ..., outputs of S_k+1
 
-A step may follow blindly (`plan_follow`) only when it would have been scheduled exactly so:
-the previous step sampled every request it ran (a decode step, or a mixed step whose
-prompts were in their last chunk: it ran overlapped too) and ran every running request;
-nothing waits that the next schedule could admit (all max_num_seqs slots taken, and nothing
-waits at all when a request ends by length: those are left out of the blind step); no
-request needs state the unknown token changes (penalties, min_tokens bans, seeded sampling,
-logprobs); and the cache has the blocks for one more token of each (no preemption). Otherwise the engine waits and schedules normally. A request that stops on
+A step may follow blindly (`plan_follow`) only when it would have been scheduled so: the
+previous step sampled every request it ran (a decode step, or a mixed step whose prompts were
+in their last chunk: it ran overlapped too) and ran every running request; no request needs
+state the unknown token changes (penalties, min_tokens bans, seeded sampling, logprobs); and
+the cache has the blocks for one more token of each (no preemption). Requests that the unseen
+token ends by length are left out of it. Waiting requests join it through the scheduler's own
+admission (`Scheduler.admit_waiting`: FIFO, token budget, free slots and blocks), so an
+arrival does not stop the overlap: the blind step is then a mixed step, the decode rows'
+input ids copied from the device and the prompts' from the host; unless the head of the queue
+needs its first token's logprobs or is a prefill-only request, or a request ending by length
+frees a slot for it: then the engine waits and schedules normally. A request that stops on
 the token the host has not seen yet (eos, stop token, stop string, abort) has one wasted row
 in the step already launched; its output is dropped, and its blocks are freed only after
 that step completed (KVCacheManager.fence): a KV import from another process must not land
@@ -94,16 +98,24 @@ def can_overlap(sample_reqs: list[Request], batch: SamplingBatch | None) -> bool
                                      for r in sample_reqs)
 
 
+def blind_admissible(req: Request) -> bool:
+    """Whether a waiting request may be admitted into a step launched blind: it needs no
+    logprobs of its first token and no layer-by-layer KV streaming (prefill-only requests)."""
+    return not req.prefill_only and req.params.logprobs is None
+
+
 def plan_follow(prev: Launched, sched: Scheduler) -> list[tuple[ScheduledSeq, Request]] | None:
     """Whether the step after `prev` may be launched before prev's tokens are known, i.e.
-    would be scheduled exactly as `follow` builds it (see the module docstring): the
-    (prev's scheduled seq, request) pairs it continues, or None. prev may be a mixed step
-    whose prompts were all in their last chunk (every row sampled): the step after it decodes
-    every request of it. A request that prev's token ends by length (max_tokens, the model
-    length) is left out: the scheduler would not run it again either."""
-    # a waiting request could be admitted (or failed) by the next schedule unless every
-    # sequence slot is taken (the scheduler then looks at no waiting request at all)
-    if sched.waiting and len(sched.running) < sched.cfg.max_num_seqs:
+    would be scheduled as `follow` builds it (see the module docstring): the (prev's scheduled
+    seq, request) pairs it continues, or None. prev may be a mixed step whose prompts were all
+    in their last chunk (every row sampled): the step after it decodes every request of it. A
+    request that prev's token ends by length (max_tokens, the model length) is left out: the
+    scheduler would not run it again either."""
+    # a waiting request the next schedule could admit (or fail) with a free sequence slot:
+    # follow admits it too, unless it needs what a blind step cannot give (blind_admissible);
+    # then the next step is scheduled synchronously, so it is never passed over
+    if (sched.waiting and len(sched.running) < sched.cfg.max_num_seqs
+            and not blind_admissible(sched.waiting[0])):
         return None
     if not prev.overlapped or sched.running != prev.sample_reqs:
         return None
@@ -131,10 +143,17 @@ def plan_follow(prev: Launched, sched: Scheduler) -> list[tuple[ScheduledSeq, Re
 
 def follow(prev: Launched, keep: list[tuple[ScheduledSeq, Request]], sched: Scheduler, seq: int,
            sampling_batch):
-    """The step after `prev` for the requests plan_follow kept: its Launched, runner rows and
-    the device tensor of its input tokens (prev's tokens, or those of the kept rows); the
-    blocks for one more token of each request are taken now. sampling_batch(reqs) builds a
-    SamplingBatch when some of prev's requests were left out."""
+    """The step after `prev` for the requests plan_follow kept, then the waiting requests the
+    scheduler admits beside them (Scheduler.admit_waiting: the same FIFO, budget, slot and
+    block rules as schedule()): its Launched, runner rows (the kept decode rows first) and the
+    device tensor of the decode rows' input tokens (prev's tokens, or those of the kept rows);
+    the blocks for one more token of each kept request, and the admitted prompts' blocks, are
+    taken now. Requests that can never run are in the Launched's sched.failed.
+    sampling_batch(reqs) builds a SamplingBatch when the sampled requests differ from prev's.
+    NOTE: the blocks prev completes are registered in the prefix cache first (their KV is
+    written before this step runs), so an admitted prompt hits them as it would after prev's
+    update; a request that prev's unseen token stops (eos, stop token) still holds its slot and
+    blocks here, so a waiting request may be admitted one step later than without overlap."""
     from engine.runner import StepInput
 
     rows = []
@@ -146,8 +165,25 @@ def follow(prev: Launched, keep: list[tuple[ScheduledSeq, Request]], sched: Sche
                               sched.kv.block_ids(r.request_id), True))
     reqs = [r for _, r in keep]
     out = SchedulerOutput([ScheduledSeq(r, 1, True) for r in reqs])
-    if len(reqs) == len(prev.sample_reqs):
-        return Launched(out, reqs, prev.batch, seq), rows, prev.tokens
-    pos = {id(r): i for i, r in enumerate(prev.sample_reqs)}
-    idx = torch.tensor([pos[id(r)] for r in reqs], dtype=torch.long, device=prev.tokens.device)
-    return Launched(out, reqs, sampling_batch(reqs), seq), rows, prev.tokens.index_select(0, idx)
+    n_dec = len(reqs)
+    if sched.waiting:
+        kv = sched.kv
+        for s in prev.sched.scheduled:
+            kv.cache_full_blocks(s.req, s.req.num_computed_tokens + s.num_tokens)
+        # the kept rows' pending blocks would hold prev's unseen token: none is known
+        sched.admit_waiting(out, sched.cfg.max_num_batched_tokens - n_dec, set(), blind_admissible)
+        for a in out.scheduled[n_dec:]:
+            r = a.req
+            start = r.num_computed_tokens
+            rows.append(StepInput(r.request_id, r.all_token_ids[start:start + a.num_tokens], start,
+                                  kv.block_ids(r.request_id), a.sample))
+    sample = reqs + [a.req for a in out.scheduled[n_dec:] if a.sample]
+    if n_dec == len(prev.sample_reqs):
+        tokens = prev.tokens
+    else:
+        pos = {id(r): i for i, r in enumerate(prev.sample_reqs)}
+        idx = torch.tensor([pos[id(r)] for r in reqs], dtype=torch.long, device=prev.tokens.device)
+        tokens = prev.tokens.index_select(0, idx)
+    same = len(sample) == len(prev.sample_reqs) and all(a is b for a, b in zip(sample, prev.sample_reqs))
+    batch = prev.batch if same else sampling_batch(sample)
+    return Launched(out, sample, batch, seq), rows, tokens

@@ -243,11 +243,11 @@ class ModelRunner:
         rows' (the previous step's tokens, still on the device: engine/engine.py's overlapped
         decode)."""
         if not all(len(r.token_ids) == 1 for r in rows):
-            if token_src is not None:
-                raise ValueError("token_src takes decode rows only")
-            logits = self._replay(rows)  # a prefill graph, or None: eager
+            # prompts (beside decode rows): with token_src, the leading rows are decode rows
+            # whose input ids it holds
+            logits = self._replay(rows, token_src)  # a prefill graph, or None: eager
             if logits is None:
-                logits = self._eager_logits(rows)
+                logits = self._eager_logits(rows, token_src)
             return self.sampler.tokens(logits, sampling)
         logits = self.graphs.run_rows(rows, token_src) if self.graphs is not None else None
         if logits is None:
@@ -256,21 +256,25 @@ class ModelRunner:
             return self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
         return self.sampler.tokens(logits, sampling)
 
-    def _replay(self, rows: list[StepInput]) -> torch.Tensor | None:
-        """Logits of the sampled rows from a graph replay, or None: run eager."""
+    def _replay(self, rows: list[StepInput], token_src: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+        """Logits of the sampled rows from a graph replay, or None: run eager.
+        token_src: the input ids of the leading (decode) rows as a device tensor."""
         if self.graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in rows):
-            return self.graphs.run_rows(rows)
+            return self.graphs.run_rows(rows, token_src)
         if self.prefill_graphs is not None:
-            return self.prefill_graphs.run(rows)
+            return self.prefill_graphs.run(rows, token_src)
         return None
 
     def _eager_logits(self, rows: list[StepInput], token_src: torch.Tensor | None = None
                       ) -> torch.Tensor | None:
         """The eager model: logits of the sampled rows, or None when no row samples.
-        token_src: the input token ids as a device tensor instead of the rows'."""
+        token_src: the input token ids of the leading rows (one token each: decode rows) as a
+        device tensor instead of the rows'."""
         input_ids, positions, meta, logits_idx = self.build_metadata(rows)
         if token_src is not None:
-            input_ids = token_src[:len(rows)]
+            n = token_src.shape[0]
+            input_ids = token_src if n == input_ids.shape[0] else torch.cat([token_src, input_ids[n:]])
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
         if not logits_idx:
             return None

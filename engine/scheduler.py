@@ -180,8 +180,23 @@ class Scheduler:
         if self.waiting and self.kv.enable_prefix_caching:
             for s in out.scheduled:
                 pending.update(self.kv.pending_hashes(s.req, s.num_tokens))
+        self.admit_waiting(out, budget, pending)
+        return out
+
+    def admit_waiting(self, out: SchedulerOutput, budget: int, pending: set[int],
+                      admit=None) -> None:
+        """Waiting requests FIFO into `out` (after its running rows) while the token budget,
+        max_num_seqs and the free blocks allow; those that can never run go to out.failed.
+        pending: hashes of the full blocks the rows already in `out` will compute (a request
+        whose next block is among them waits one step, then hits it). schedule()'s second
+        phase; engine/overlap.py's follow calls it for a step launched before the previous
+        step's tokens are known (they do not change what a waiting request needs).
+        admit(req) -> False stops admission at req (FIFO: nothing behind it is admitted)."""
+        max_seqs = self.cfg.max_num_seqs
         while self.waiting and budget > 0 and len(out.scheduled) < max_seqs:
             req = self.waiting[0]
+            if admit is not None and not admit(req):
+                break  # FIFO: nothing behind it either
             if self.kv.blocks_for(req.num_tokens) > self.kv.num_blocks:
                 self._fail(req, out, f"request needs {self.kv.blocks_for(req.num_tokens)} KV "
                                      f"blocks, the cache holds {self.kv.num_blocks}")
@@ -215,7 +230,6 @@ class Scheduler:
             budget -= n
             if self.kv.enable_prefix_caching:
                 pending.update(self.kv.pending_hashes(req, n))
-        return out
 
     def _fail(self, req: Request, out: SchedulerOutput, msg: str) -> None:
         """Drop a waiting request that can never run (head of `waiting`)."""

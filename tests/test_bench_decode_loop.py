@@ -29,18 +29,18 @@ def test_engine_loop_phases():
 def test_arrivals_loop_steady_state():
     """arrivals_loop: requests end and new prompts arrive in their place; the mixed steps are
     counted, the overlapped engine launches blind steps (mixed ones included), and the engine
-    is left empty with schedule() restored."""
+    is left empty with the runner's launch methods restored."""
     from bench.decode_loop import arrivals_loop
 
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
                               cache=CacheConfig(block_size=16, num_blocks=64),
                               device=DeviceConfig(device="cpu")))
-    schedule = eng.scheduler.schedule
+    launch = (eng.runner.execute, eng.runner.launch_overlapped)
     res = {}
     for on in (False, True):
         eng.overlap = on
         res[on] = arrivals_loop(eng, batch=3, ctx=20, steps=24, every=4, prompt_len=9, tag=f"a{on}")
-        assert not eng.has_unfinished() and eng.scheduler.schedule == schedule
+        assert not eng.has_unfinished() and (eng.runner.execute, eng.runner.launch_overlapped) == launch
     assert res[False]["arr_mixed"] >= 4 and res[False]["arr_blind"] == 0
     assert res[True]["arr_blind"] >= 8 and res[True]["arr_tok_s"] > 0
 

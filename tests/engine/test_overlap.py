@@ -207,9 +207,10 @@ def test_generate_leaves_nothing_in_flight():
 
 
 def test_a_step_with_prompts_in_their_last_chunk_is_followed_blindly():
-    """A mixed step (an arrival's whole prompt beside decode rows) samples every row: it runs
-    overlapped and the next decode step (the new request's first decode included) is launched
-    before its tokens reach the host; tokens equal the synchronous engine's."""
+    """An arrival with a free slot is admitted into the blind step itself (a mixed step: its
+    whole prompt beside the decode rows, whose input tokens stay on the device); that step
+    samples every row, so the next decode step (the new request's first decode included) is
+    launched blind too; tokens equal the synchronous engine's."""
     reqs = [(f"r{i}", p, _greedy(12)) for i, p in enumerate(PROMPTS[:2])]
     late = ("late", list(range(50, 70)), _greedy(8))
     seen = {}
@@ -224,14 +225,14 @@ def test_a_step_with_prompts_in_their_last_chunk_is_followed_blindly():
                        fl is not None and fl.sched.scheduled[-1].num_tokens)
         return check
 
-    # step 4 completes the blind step in flight (a request waits: no follow), step 5 runs
-    # the mixed step (2 decode rows + the 20-token prompt) and follows it with a decode step
+    # step 4 completes the blind step in flight and launches the mixed step (2 decode rows +
+    # the 20-token prompt) blind; step 5 follows it with a decode step
     events = {3: arrive, 4: after(4), 5: after(5)}
     want = _run(_engine(False), reqs, {3: arrive})
     eng = _engine(True)
     got = _run(eng, reqs, events)
     assert got == want
-    assert seen[4] == (False, False) and seen[5] == (True, 1)
+    assert seen[4] == (True, 20) and seen[5] == (True, 1)
     _no_leak(eng)
 
 
@@ -308,4 +309,128 @@ def test_a_length_end_with_a_queue_runs_synchronously():
     eng = _engine(True, max_num_seqs=2)
     got = _run(eng, reqs)
     assert got == want and eng.num_overlapped_steps > 0
+    _no_leak(eng)
+
+
+def test_arrivals_with_a_free_slot_keep_the_overlap():
+    """Requests arriving while slots are free join the blind step itself (mixed steps whose
+    decode rows take their input ids from the device): no step after the first runs
+    synchronously, and the tokens equal the synchronous engine's."""
+    reqs = [("r0", PROMPTS[0], _greedy(20)), ("r1", PROMPTS[1], _greedy(20))]
+    arrivals = {2: ("a2", PROMPTS[2], _greedy(6)), 5: ("a5", PROMPTS[3], _greedy(6)),
+                13: ("a13", list(range(60, 90)), _greedy(6))}  # none while one ends by length
+
+    def events(gaps=None):
+        ev = {i: (lambda e, r=r: e.add_request(*r)) for i, r in arrivals.items()}
+        if gaps is None:
+            return ev
+        out = {}
+        for i in range(60):
+            def check(e, i=i):
+                if i in ev:
+                    ev[i](e)
+                gaps.append(e.has_unfinished() and e._inflight is None)
+            out[i] = check
+        return out
+
+    want = _run(_engine(False), reqs, events())
+    eng = _engine(True)
+    gaps = []
+    got = _run(eng, reqs, events(gaps))
+    assert got == want and len(got[0]) == 5
+    assert not any(gaps)  # every step launched the next one before waiting
+    _no_leak(eng)
+
+
+def _cached_tokens(eng: Engine, reqs, events) -> dict[str, int]:
+    for rid, prompt, params in reqs:
+        eng.add_request(rid, prompt, params)
+    cached = {}
+    for i in range(200):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            cached[o.request_id] = o.num_cached_tokens
+        if i in events:
+            events[i](eng)
+    return cached
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_an_arrival_in_a_blind_step_hits_the_prefix_the_step_before_computes(together):
+    """A prompt sharing a 40-token prefix with a request whose prompt the step in flight
+    computes: the blind step admitting it registers that step's full blocks first, so it hits
+    them (32 tokens, two blocks) as after the synchronous engine's update; arriving together,
+    the second waits one step for the first's blocks (in-batch sharing), in both engines."""
+    prefix = list(range(400, 440))
+    a = ("A", prefix + [1, 2, 3], _greedy(6))
+    b = ("B", prefix + [4, 5, 6, 7], _greedy(6))
+    reqs = [("r0", PROMPTS[0], _greedy(16))]
+    events = ({1: lambda e: (e.add_request(*a), e.add_request(*b))} if together else
+              {1: lambda e: e.add_request(*a), 2: lambda e: e.add_request(*b)})
+    want = _cached_tokens(_engine(False), reqs, dict(events))
+    eng = _engine(True)
+    got = _cached_tokens(eng, reqs, dict(events))
+    assert got == want and got["B"] == 32 and got["A"] == 0
+    assert eng.num_overlapped_steps > 10
+    _no_leak(eng)
+
+
+def test_a_waiting_request_a_blind_step_cannot_take_is_scheduled_synchronously():
+    """The head of the queue wants logprobs (or is prefill-only): it is never admitted into a
+    blind step, the next step is scheduled normally and it is not passed over; the same
+    tokens and logprobs as the synchronous engine."""
+    from engine.overlap import blind_admissible
+    from engine.request import Request
+
+    reqs = [("r0", PROMPTS[1], _greedy(14))]
+    lp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+    later = ("after", PROMPTS[3], _greedy(5))
+    events = {2: lambda e: (e.add_request("lp", PROMPTS[2], lp), e.add_request(*later))}
+
+    def run(eng):
+        for rid, prompt, params in reqs:
+            eng.add_request(rid, prompt, params)
+        toks, lps, gaps = {}, {}, []
+        for i in range(100):
+            if not eng.has_unfinished():
+                break
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+                lps.setdefault(o.request_id, []).extend(o.logprobs)
+            if i in events:
+                events[i](eng)
+            gaps.append(eng.has_unfinished() and eng._inflight is None)
+        return toks, lps, gaps
+
+    want = run(_engine(False))
+    eng = _engine(True)
+    got = run(eng)
+    assert got[:2] == want[:2] and len(got[1]["lp"]) == 5
+    assert got[2][3]  # the step after the arrival waited for its tokens
+    assert eng.num_overlapped_steps > 0
+    _no_leak(eng)
+    r = Request("p", [1, 2], _greedy(1))
+    r.prefill_only = True
+    assert not blind_admissible(r) and blind_admissible(Request("q", [1, 2], _greedy(3)))
+
+
+def test_a_chunked_arrival_starts_in_a_blind_step():
+    """A prompt longer than the token budget arriving beside decode rows: its first chunk is
+    admitted into a blind step (a row that samples nothing); the steps of its later chunks
+    run synchronously; the same tokens."""
+    reqs = [("a", PROMPTS[0], _greedy(12)), ("b", PROMPTS[1], _greedy(12))]
+    late = ("long", list(range(200, 260)), _greedy(5))
+    events = {2: lambda e: e.add_request(*late)}
+    want = _run(_engine(False, max_num_batched_tokens=24), reqs, dict(events))
+    eng = _engine(True, max_num_batched_tokens=24)
+    partial = []
+
+    def watch(e):
+        fl = e._inflight
+        if fl is not None:
+            partial.extend(s.req.request_id for s in fl.sched.scheduled if not s.sample)
+    got = _run(eng, reqs, {**events, 3: watch})
+    assert got == want
+    assert partial == ["long"]  # its first chunk rode in the blind step launched at step 3
     _no_leak(eng)

@@ -187,9 +187,10 @@ def test_overlapped_decode_matches_synchronous(hf_dir):
 
 
 def test_overlapped_mixed_step_on_the_gpu(hf_dir):
-    """An arrival mid-generation: its mixed step (prompt + decode rows, a prefill graph or the
-    eager model, tokens sampled on the device) runs overlapped and the next decode step is
-    launched blind with its tokens; every request gets all its tokens, which agree with the
+    """An arrival mid-generation: it is admitted into a blind step (prompt + decode rows whose
+    input ids are copied from the device into a prefill graph's staged inputs, or the eager
+    model's; tokens sampled on the device) and the next decode step is launched blind with
+    its tokens; every request gets all its tokens, which agree with the
     synchronous engine's (the arrival may land one step later with the overlap, so batch
     shapes, and bf16 rounding, can differ: most tokens, not all, are compared)."""
     path, _ = hf_dir
