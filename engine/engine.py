@@ -152,12 +152,12 @@ class Engine:
             if not sched.scheduled:
                 return outputs
             cur = self._launch(sched)
-        keep = plan_follow(cur, self.scheduler) if self.overlap else None
-        if keep:
-            nxt, rows, tokens = follow(cur, keep, self.scheduler, self._next_seq(),
-                                       self.runner.sampling_batch)
+        plan = plan_follow(cur, self.scheduler) if self.overlap else None
+        if plan is not None:
+            nxt, rows, tokens, pos = follow(cur, plan, self.scheduler, self._next_seq(),
+                                            self.runner.sampling_batch)
             outputs += self._failed(nxt.sched)
-            self._launch_overlapped(nxt, rows, token_src=tokens)
+            self._launch_overlapped(nxt, rows, token_src=tokens, token_pos=pos)
             self._inflight = nxt
             self.num_overlapped_steps += 1
         outputs += self._complete(cur)
@@ -183,10 +183,11 @@ class Engine:
                 sample_reqs.append(r)
         batch = self.runner.sampling_batch(sample_reqs) if sample_reqs else None
         launched = Launched(sched, sample_reqs, batch, self._next_seq())
-        # every row samples (decode rows, prompts in their last chunk): tokens stay on the device
-        # so the next step may follow before they reach the host (can_overlap: no layer
-        # streaming, no host-side sampling state)
-        if self.overlap and all(r.sample for r in rows) and can_overlap(sample_reqs, batch):
+        # the sampled tokens stay on the device so the next step may follow before they reach
+        # the host (can_overlap: no layer streaming, no host-side sampling state; rows with an
+        # earlier chunk of a prompt sample nothing)
+        if (self.overlap and can_overlap(sample_reqs, batch)
+                and not any(s.req.prefill_only for s in sched.scheduled)):
             self._launch_overlapped(launched, rows)
             return launched
         streamed = [(s.req.request_id, rows[i].block_ids, s.req.num_prompt_tokens)
@@ -202,11 +203,11 @@ class Engine:
             self.layer_streamer.end_step()
         return launched
 
-    def _launch_overlapped(self, launched: Launched, rows, token_src=None) -> None:
-        """An overlapped step (decode, or every prompt in its last chunk): run and sample on
-        the device, start the tokens' copy to the host; blocks freed from now on wait until
-        this step is known complete."""
-        launched.tokens = self.runner.launch_overlapped(rows, launched.batch, token_src)
+    def _launch_overlapped(self, launched: Launched, rows, token_src=None, token_pos=None) -> None:
+        """An overlapped step (decode rows, prompt chunks): run and sample on the device, start
+        the tokens' copy to the host; blocks freed from now on wait until this step is known
+        complete. token_src / token_pos: decode rows' input ids on the device (follow)."""
+        launched.tokens = self.runner.launch_overlapped(rows, launched.batch, token_src, token_pos)
         self._readback.start(launched)
         self.kv.fence = launched.seq
 

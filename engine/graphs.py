@@ -35,6 +35,16 @@ LEGACY_TOTALS = ("cuda_graph_captured_count", "cuda_graph_replay_total",
                  "cuda_graph_eager_fallback_total", "graph_replay_failed_total")
 
 
+def put_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, positions: list[int] | None) -> None:
+    """Copy token ids that are still on the device (an overlapped step's samples) into a
+    step's input ids: at the leading positions (None) or at these flat positions."""
+    if positions is None:
+        input_ids[:tokens.shape[0]].copy_(tokens, non_blocking=True)
+    else:
+        idx = torch.tensor(positions, dtype=torch.long).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, idx, tokens)
+
+
 def _mib(n: int) -> float:
     return n / 2**20
 

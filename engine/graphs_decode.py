@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.graphs import BucketGraphs
+from engine.graphs import BucketGraphs, put_tokens
 from engine.graphs_prefill import PrefillStaging
 from engine.layers.attention import AttentionMetadata
 
@@ -93,12 +93,14 @@ class DecodeGraphRunner(BucketGraphs):
             return b
         return None
 
-    def run_rows(self, rows, token_src: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run_rows(self, rows, token_src: torch.Tensor | None = None,
+                 token_pos: list[int] | None = None) -> torch.Tensor | None:
         """Replay for decode rows (runner StepInputs: one token each, all sampled) staged
         straight from the host; returns logits [n, vocab] or None (caller runs eager; counted).
         The logits are a view of the bucket's output: valid until the next replay.
-        token_src: the rows' input token ids as a device tensor [n] (the previous step's
-        sampled tokens, not yet on the host): copied over the staged ones on the device."""
+        token_src: input token ids as a device tensor (the previous step's sampled tokens,
+        not yet on the host) copied over the staged ones on the device, at the rows token_pos
+        (None: the leading ones)."""
         n = len(rows)
         longest = max(r.start + len(r.token_ids) for r in rows)
         b = self._bucket(n, -(-longest // self.block_size))
@@ -107,7 +109,7 @@ class DecodeGraphRunner(BucketGraphs):
         self.staging.stage(rows, self.block_size, b, b)  # padding: slot -1, seq_len 0
         self.staging.upload(b)
         if token_src is not None:
-            self.input_ids[:n].copy_(token_src[:n], non_blocking=True)
+            put_tokens(self.input_ids, token_src, token_pos)
         self.graphs[b].replay()
         self.replays += 1
         return self.outputs[b][:n]

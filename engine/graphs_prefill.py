@@ -50,7 +50,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from engine.graphs import BucketGraphs
+from engine.graphs import BucketGraphs, put_tokens
 from engine.layers.attention import AttentionMetadata
 
 MIN_BUCKET = 16
@@ -257,19 +257,21 @@ class PrefillGraphRunner(BucketGraphs):
         self.last = st
         return st
 
-    def run(self, rows: Sequence[_Row], token_src: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, rows: Sequence[_Row], token_src: torch.Tensor | None = None,
+            token_pos: list[int] | None = None) -> torch.Tensor | None:
         """Replay for a prefill / mixed batch: logits [num_sampled, vocab] of the sampled rows
         in row order, or None (caller runs eager; counted). The logits are a view of the static
         buffer: valid until the next prefill replay.
-        token_src: the input ids of the leading rows (one token each: decode rows whose tokens
-        the previous step sampled, still on the device), copied over the staged ones."""
+        token_src: input ids of decode rows that the previous step sampled, still on the
+        device, copied over the staged ones at the flat positions token_pos (None: the
+        leading ones)."""
         b, why = self.plan(rows)
         if b is None:
             self._fallback(why)
             return None
         st = self.stage(rows, b)
         if token_src is not None:
-            self.staging.d.input_ids[:token_src.shape[0]].copy_(token_src, non_blocking=True)
+            put_tokens(self.staging.d.input_ids, token_src, token_pos)
         self.graphs[b].replay()
         self.replays += 1
         return self.logits[:st.num_sampled]

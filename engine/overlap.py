@@ -11,11 +11,14 @@ computes instead of leaving it idle.
     step k+1: (S_k+1 already in flight) launch S_k+2 ..., outputs of S_k+1
 
 A step may follow blindly (`plan_follow`) only when it would have been scheduled so: the
-previous step sampled every request it ran (a decode step, or a mixed step whose prompts were
-in their last chunk: it ran overlapped too) and ran every running request; no request needs
-state the unknown token changes (penalties, min_tokens bans, seeded sampling, logprobs); and
-the cache has the blocks for one more token of each (no preemption). Requests that the unseen
-token ends by length are left out of it. Waiting requests join it through the scheduler's own
+previous step ran every running request and was itself launched overlapped (its sampled
+tokens stay on the device); no request needs state the unknown token changes (penalties,
+min_tokens bans, seeded sampling, logprobs); and the cache has the blocks it needs (no
+preemption). Its running rows come from the scheduler's own running phase
+(`Scheduler.schedule_running`) on the state after the previous step: a decode row for each
+request that step sampled, the next chunk of each prompt it ran an earlier chunk of (decode
+rows behind such a chunk take their device tokens at their flat positions). Requests that the
+unseen token ends by length are left out of it. Waiting requests join it through the scheduler's own
 admission (`Scheduler.admit_waiting`: FIFO, token budget, free slots and blocks), so an
 arrival does not stop the overlap: the blind step is then a mixed step, the decode rows'
 input ids copied from the device and the prompts' from the host; unless the head of the queue
@@ -104,86 +107,137 @@ def blind_admissible(req: Request) -> bool:
     return not req.prefill_only and req.params.logprobs is None
 
 
-def plan_follow(prev: Launched, sched: Scheduler) -> list[tuple[ScheduledSeq, Request]] | None:
+@dataclass
+class FollowPlan:
+    """What plan_follow found: each running request's row in the step in flight (`ahead`, by
+    id) and the projected tokens left to compute once that step is done (`remaining_of`:
+    its sampled token still unseen; 0 for a request that token ends by length)."""
+    ahead: dict[int, ScheduledSeq]
+    ends: set[int]
+
+    def remaining_of(self, req: Request) -> int:
+        a = self.ahead[id(req)]
+        if a.sample:
+            return 0 if id(req) in self.ends else 1  # prev's token is its next input
+        return req.num_tokens - req.num_computed_tokens - a.num_tokens  # the prompt's rest
+
+
+def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
     """Whether the step after `prev` may be launched before prev's tokens are known, i.e.
-    would be scheduled as `follow` builds it (see the module docstring): the (prev's scheduled
-    seq, request) pairs it continues, or None. prev may be a mixed step whose prompts were all
-    in their last chunk (every row sampled): the step after it decodes every request of it. A
-    request that prev's token ends by length (max_tokens, the model length) is left out: the
-    scheduler would not run it again either."""
+    would be scheduled as `follow` builds it (see the module docstring), or None. prev must
+    have run every running request; its sampled rows continue as decode rows, its rows with an
+    earlier chunk of a prompt with their next chunk, both through the scheduler's own running
+    phase on the state after prev (Scheduler.schedule_running, first as a dry run here for the
+    blocks it needs). A request that prev's token ends by length (max_tokens, the model
+    length) is left out: the scheduler would not run it again either."""
     # a waiting request the next schedule could admit (or fail) with a free sequence slot:
     # follow admits it too, unless it needs what a blind step cannot give (blind_admissible);
     # then the next step is scheduled synchronously, so it is never passed over
     if (sched.waiting and len(sched.running) < sched.cfg.max_num_seqs
             and not blind_admissible(sched.waiting[0])):
         return None
-    if not prev.overlapped or sched.running != prev.sample_reqs:
-        return None
-    if not all(s.sample for s in prev.sched.scheduled):
-        return None
-    kv = sched.kv
-    need, keep = 0, []
-    for s, r in zip(prev.sched.scheduled, prev.sample_reqs):
+    rows = prev.sched.scheduled
+    if not prev.overlapped or len(sched.running) != len(rows) or any(
+            a is not s.req for a, s in zip(sched.running, rows)):
+        return None  # prev did not run every running request (or something changed since)
+    ends: set[int] = set()
+    for s in rows:
+        r = s.req
+        if r.finished or r.prefill_only:
+            return None
+        if not s.sample:
+            continue
         p = r.params
         n_out = len(r.output_token_ids)  # prev's token not yet among them
-        if (r.finished or r.prefill_only or n_out < p.min_tokens
-                or p.needs_penalties or p.logprobs is not None
+        if (n_out < p.min_tokens or p.needs_penalties or p.logprobs is not None
                 or (p.seed is not None and p.temperature != 0.0)):
             return None
         if n_out + 1 >= p.max_tokens or r.num_tokens + 1 >= sched.max_len:
-            continue  # prev's token ends it (scheduler._check_stop's length rule)
-        keep.append((s, r))
-        # prev computes positions num_computed.. (s.num_tokens of them); the next step the
-        # one after them
-        need += max(0, kv.blocks_needed(r, s.num_tokens + 1))
-    if not keep or (len(keep) < len(prev.sample_reqs) and sched.waiting):
+            ends.add(id(r))  # prev's token ends it (scheduler._check_stop's length rule)
+    if ends and (len(ends) == len(rows) or sched.waiting):
         return None  # nothing left, or a slot frees for a waiting request
-    return keep if need <= kv.num_free_blocks else None
+    plan = FollowPlan({id(s.req): s for s in rows}, ends)
+    kv = sched.kv
+    need = 0
+
+    def count(req: Request, n: int) -> bool:
+        nonlocal need
+        need += max(0, kv.blocks_needed(req, plan.ahead[id(req)].num_tokens + n))
+        return True
+
+    dry = SchedulerOutput()
+    sched.schedule_running(dry, sched.cfg.max_num_batched_tokens, plan.remaining_of, count)
+    if not any(s.sample for s in dry.scheduled) or need > kv.num_free_blocks:
+        return None  # a step sampling nothing (prompt chunks only), or a preemption
+    return plan
 
 
-def follow(prev: Launched, keep: list[tuple[ScheduledSeq, Request]], sched: Scheduler, seq: int,
-           sampling_batch):
-    """The step after `prev` for the requests plan_follow kept, then the waiting requests the
+def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, sampling_batch):
+    """The step after `prev` as plan_follow planned it: the running requests through the
+    scheduler's running phase on the state after prev (decode rows for those prev sampled,
+    the next chunk for prompts prev ran an earlier chunk of), then the waiting requests the
     scheduler admits beside them (Scheduler.admit_waiting: the same FIFO, budget, slot and
-    block rules as schedule()): its Launched, runner rows (the kept decode rows first) and the
-    device tensor of the decode rows' input tokens (prev's tokens, or those of the kept rows);
-    the blocks for one more token of each kept request, and the admitted prompts' blocks, are
-    taken now. Requests that can never run are in the Launched's sched.failed.
-    sampling_batch(reqs) builds a SamplingBatch when the sampled requests differ from prev's.
+    block rules as schedule()). Returns its Launched, its runner rows, the device tensor of the
+    decode rows' input tokens (prev's tokens, or those of the rows that continue) and their
+    flat positions among the step's input ids (None: the leading ones). The blocks are taken
+    now. Requests that can never run are in the Launched's sched.failed. sampling_batch(reqs)
+    builds a SamplingBatch when the sampled requests differ from prev's.
     NOTE: the blocks prev completes are registered in the prefix cache first (their KV is
     written before this step runs), so an admitted prompt hits them as it would after prev's
     update; a request that prev's unseen token stops (eos, stop token) still holds its slot and
     blocks here, so a waiting request may be admitted one step later than without overlap."""
     from engine.runner import StepInput
 
-    rows = []
-    for s, r in keep:
-        n = s.num_tokens  # 1, or a prompt's last chunk
-        if not sched.kv.allocate(r, n + 1):  # covers num_computed + n + 1 tokens
-            raise RuntimeError(f"overlapped decode: no block for request {r.request_id!r}")
-        rows.append(StepInput(r.request_id, [0], r.num_computed_tokens + n,
-                              sched.kv.block_ids(r.request_id), True))
-    reqs = [r for _, r in keep]
-    out = SchedulerOutput([ScheduledSeq(r, 1, True) for r in reqs])
-    n_dec = len(reqs)
+    kv = sched.kv
+
+    def allocate(req: Request, n: int) -> bool:
+        if not kv.allocate(req, plan.ahead[id(req)].num_tokens + n):
+            raise RuntimeError(f"overlapped step: no block for request {req.request_id!r}")
+        return True
+
+    out = SchedulerOutput()
+    budget = sched.schedule_running(out, sched.cfg.max_num_batched_tokens, plan.remaining_of, allocate)
+    rows, tok_reqs, tok_pos, flat = [], [], [], 0
+    for s in out.scheduled:
+        r = s.req
+        a = plan.ahead[id(r)]
+        start = r.num_computed_tokens + a.num_tokens
+        if a.sample:  # a decode row: its input is prev's token, still on the device
+            rows.append(StepInput(r.request_id, [0], start, kv.block_ids(r.request_id), True))
+            tok_reqs.append(r)
+            tok_pos.append(flat)
+        else:  # the next chunk of a prompt
+            rows.append(StepInput(r.request_id, r.all_token_ids[start:start + s.num_tokens], start,
+                                  kv.block_ids(r.request_id), s.sample))
+        flat += len(rows[-1].token_ids)
+    n_run = len(out.scheduled)
     if sched.waiting:
-        kv = sched.kv
+        pending: set[int] = set()
         for s in prev.sched.scheduled:
             kv.cache_full_blocks(s.req, s.req.num_computed_tokens + s.num_tokens)
-        # the kept rows' pending blocks would hold prev's unseen token: none is known
-        sched.admit_waiting(out, sched.cfg.max_num_batched_tokens - n_dec, set(), blind_admissible)
-        for a in out.scheduled[n_dec:]:
-            r = a.req
+        if kv.enable_prefix_caching:
+            # the blocks this step completes; a decode row's would hold prev's unseen token
+            for s in out.scheduled:
+                a = plan.ahead[id(s.req)]
+                if not a.sample:
+                    pending.update(kv.pending_hashes(s.req, a.num_tokens + s.num_tokens))
+        sched.admit_waiting(out, budget, pending, blind_admissible)
+        for s in out.scheduled[n_run:]:
+            r = s.req
             start = r.num_computed_tokens
-            rows.append(StepInput(r.request_id, r.all_token_ids[start:start + a.num_tokens], start,
-                                  kv.block_ids(r.request_id), a.sample))
-    sample = reqs + [a.req for a in out.scheduled[n_dec:] if a.sample]
-    if n_dec == len(prev.sample_reqs):
+            rows.append(StepInput(r.request_id, r.all_token_ids[start:start + s.num_tokens], start,
+                                  kv.block_ids(r.request_id), s.sample))
+    sample = [s.req for s in out.scheduled if s.sample]
+    if _same(tok_reqs, prev.sample_reqs):
         tokens = prev.tokens
     else:
         pos = {id(r): i for i, r in enumerate(prev.sample_reqs)}
-        idx = torch.tensor([pos[id(r)] for r in reqs], dtype=torch.long, device=prev.tokens.device)
+        idx = torch.tensor([pos[id(r)] for r in tok_reqs], dtype=torch.long, device=prev.tokens.device)
         tokens = prev.tokens.index_select(0, idx)
-    same = len(sample) == len(prev.sample_reqs) and all(a is b for a, b in zip(sample, prev.sample_reqs))
-    batch = prev.batch if same else sampling_batch(sample)
-    return Launched(out, sample, batch, seq), rows, tokens
+    batch = prev.batch if _same(sample, prev.sample_reqs) else sampling_batch(sample)
+    leading = tok_pos == list(range(len(tok_pos)))
+    return Launched(out, sample, batch, seq), rows, tokens, None if leading else tok_pos
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.graphs import put_tokens
 from engine.layers.attention import AttentionMetadata, KVScales
 from engine.layers.sampler import Sampler, SamplingBatch
 
@@ -235,46 +236,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_overlapped(self, rows: list[StepInput], sampling: SamplingBatch,
-                          token_src: torch.Tensor | None = None) -> torch.Tensor:
-        """A step whose every row samples (decode rows; without token_src also prompts in
-        their last chunk) run and sampled on the device without waiting for it: returns the
-        token ids [n] as a device tensor (no logprobs).
-        token_src: the input token ids of decode rows as a device tensor [n] instead of the
-        rows' (the previous step's tokens, still on the device: engine/engine.py's overlapped
-        decode)."""
-        if not all(len(r.token_ids) == 1 for r in rows):
-            # prompts (beside decode rows): with token_src, the leading rows are decode rows
-            # whose input ids it holds
-            logits = self._replay(rows, token_src)  # a prefill graph, or None: eager
+                          token_src: torch.Tensor | None = None,
+                          token_pos: list[int] | None = None) -> torch.Tensor:
+        """A step run and sampled on the device without waiting for it: returns the sampled
+        rows' token ids [n] as a device tensor (no logprobs). Rows: decode rows and prompt
+        chunks (a chunk before a prompt's last samples nothing).
+        token_src: the input ids of the decode rows that continue the previous step, as a
+        device tensor (its sampled tokens, not yet on the host: engine/overlap.py); token_pos:
+        their flat positions among the step's input ids (None: the leading ones)."""
+        if not all(len(r.token_ids) == 1 and r.sample for r in rows):
+            # prompt chunks (beside decode rows): a prefill graph, or None: eager
+            logits = self._replay(rows, token_src, token_pos)
             if logits is None:
-                logits = self._eager_logits(rows, token_src)
+                logits = self._eager_logits(rows, token_src, token_pos)
             return self.sampler.tokens(logits, sampling)
-        logits = self.graphs.run_rows(rows, token_src) if self.graphs is not None else None
+        logits = (self.graphs.run_rows(rows, token_src, token_pos)
+                  if self.graphs is not None else None)
         if logits is None:
-            logits = self._eager_logits(rows, token_src)
+            logits = self._eager_logits(rows, token_src, token_pos)
         elif sampling.greedy_only:
             return self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
         return self.sampler.tokens(logits, sampling)
 
-    def _replay(self, rows: list[StepInput], token_src: torch.Tensor | None = None
-                ) -> torch.Tensor | None:
+    def _replay(self, rows: list[StepInput], token_src: torch.Tensor | None = None,
+                token_pos: list[int] | None = None) -> torch.Tensor | None:
         """Logits of the sampled rows from a graph replay, or None: run eager.
-        token_src: the input ids of the leading (decode) rows as a device tensor."""
+        token_src / token_pos: device input ids of decode rows (launch_overlapped)."""
         if self.graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in rows):
-            return self.graphs.run_rows(rows, token_src)
+            return self.graphs.run_rows(rows, token_src, token_pos)
         if self.prefill_graphs is not None:
-            return self.prefill_graphs.run(rows, token_src)
+            return self.prefill_graphs.run(rows, token_src, token_pos)
         return None
 
-    def _eager_logits(self, rows: list[StepInput], token_src: torch.Tensor | None = None
-                      ) -> torch.Tensor | None:
+    def _eager_logits(self, rows: list[StepInput], token_src: torch.Tensor | None = None,
+                      token_pos: list[int] | None = None) -> torch.Tensor | None:
         """The eager model: logits of the sampled rows, or None when no row samples.
-        token_src: the input token ids of the leading rows (one token each: decode rows) as a
-        device tensor instead of the rows'."""
+        token_src / token_pos: device input ids of decode rows (launch_overlapped)."""
         input_ids, positions, meta, logits_idx = self.build_metadata(rows)
         if token_src is not None:
-            n = token_src.shape[0]
-            input_ids = token_src if n == input_ids.shape[0] else torch.cat([token_src, input_ids[n:]])
+            put_tokens(input_ids, token_src, token_pos)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kv_scales)
         if not logits_idx:
             return None

@@ -39,6 +39,10 @@ from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 
 
+def _remaining(req: Request) -> int:
+    return req.num_tokens - req.num_computed_tokens
+
+
 @dataclass
 class ScheduledSeq:
     req: Request
@@ -144,34 +148,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.cfg.max_num_batched_tokens
-        max_seqs = self.cfg.max_num_seqs
-        i = 0
-        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
-            req = self.running[i]
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining <= 0:  # nothing to compute (should not happen); skip, keep order
-                i += 1
-                continue
-            avail = budget
-            if remaining > 1:
-                # a prefill chunk leaves 1 token for each later running decode (protects TPOT)
-                later = sum(1 for r in self.running[i + 1:] if r.num_tokens - r.num_computed_tokens == 1)
-                avail -= min(later, max_seqs - len(out.scheduled) - 1)
-            n = self._chunk(remaining, avail) if avail > 0 else 0
-            if n == 0 or (not self.cfg.enable_chunked_prefill and n < remaining):
-                i += 1  # no room this step (or a prompt that must run whole): wait
-                continue
-            while not self.kv.allocate(req, n):
-                victim = self.running[-1]  # newest; never an already scheduled one (they precede i)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
-                budget -= n
-                i += 1
+        budget = self.schedule_running(out, self.cfg.max_num_batched_tokens, _remaining, self.kv.allocate)
         if out.preempted:
             return out
         # full blocks this step will compute: a waiting request whose next block is among them
@@ -182,6 +159,42 @@ class Scheduler:
                 pending.update(self.kv.pending_hashes(s.req, s.num_tokens))
         self.admit_waiting(out, budget, pending)
         return out
+
+    def schedule_running(self, out: SchedulerOutput, budget: int, remaining_of, allocate) -> int:
+        """schedule()'s first phase: running requests in order into `out`; returns the budget
+        left. remaining_of(req): tokens it has to compute; allocate(req, n): blocks for n more
+        tokens (False: none free, and the newest running request is preempted). schedule()
+        passes the requests' own state; engine/overlap.py's follow passes their state after
+        the step in flight (its sampled tokens not known yet) and allocations that never fail
+        (it checked the blocks with a dry run first)."""
+        max_seqs = self.cfg.max_num_seqs
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
+            req = self.running[i]
+            remaining = remaining_of(req)
+            if remaining <= 0:  # nothing to compute (ended by length in flight); skip, keep order
+                i += 1
+                continue
+            avail = budget
+            if remaining > 1:
+                # a prefill chunk leaves 1 token for each later running decode (protects TPOT)
+                later = sum(1 for r in self.running[i + 1:] if remaining_of(r) == 1)
+                avail -= min(later, max_seqs - len(out.scheduled) - 1)
+            n = self._chunk(remaining, avail) if avail > 0 else 0
+            if n == 0 or (not self.cfg.enable_chunked_prefill and n < remaining):
+                i += 1  # no room this step (or a prompt that must run whole): wait
+                continue
+            while not allocate(req, n):
+                victim = self.running[-1]  # newest; never an already scheduled one (they precede i)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(req, n, n == remaining))
+                budget -= n
+                i += 1
+        return budget
 
     def admit_waiting(self, out: SchedulerOutput, budget: int, pending: set[int],
                       admit=None) -> None:

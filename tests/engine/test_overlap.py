@@ -434,3 +434,48 @@ def test_a_chunked_arrival_starts_in_a_blind_step():
     assert got == want
     assert partial == ["long"]  # its first chunk rode in the blind step launched at step 3
     _no_leak(eng)
+
+
+def test_the_chunks_of_a_long_prompt_run_blind():
+    """A prompt of several chunks arriving beside decode rows: its first chunk rides in a
+    blind step and each later chunk (with the decode rows, through the scheduler's running
+    phase on the state after the step in flight) is launched blind too, so no step after
+    the first runs synchronously; the same tokens as the synchronous engine."""
+    reqs = [("a", PROMPTS[0], _greedy(30)), ("b", PROMPTS[1], _greedy(30))]
+    late = ("long", list(range(200, 290)), _greedy(5))  # 90 tokens, budget 24: 4+ chunks
+    want = _run(_engine(False, max_num_batched_tokens=24), reqs, {2: lambda e: e.add_request(*late)})
+    eng = _engine(True, max_num_batched_tokens=24)
+    gaps, chunks = [], []
+
+    def watch(i):
+        def check(e):
+            if i == 2:
+                e.add_request(*late)
+            fl = e._inflight
+            gaps.append(e.has_unfinished() and fl is None)
+            if fl is not None:
+                chunks.extend(s.num_tokens for s in fl.sched.scheduled if s.req.request_id == "long")
+        return check
+    got = _run(eng, reqs, {i: watch(i) for i in range(80)})
+    assert got == want
+    assert not any(gaps) and sum(chunks) == 90 + 4  # every chunk, then 4 decodes, blind
+    _no_leak(eng)
+
+
+def test_decode_rows_behind_a_prompt_chunk_take_their_tokens_at_their_positions():
+    """A running prompt in chunks ahead of a decode row (admitted before it): the blind
+    step's decode input sits after the chunk's tokens, so the device tokens go to those flat
+    positions (token_pos), not the leading ones; the same tokens as the synchronous engine."""
+    reqs = [("long", list(range(200, 290)), _greedy(6))]
+    events = {0: lambda e: e.add_request("b", PROMPTS[0], _greedy(12))}
+    kw = dict(max_num_batched_tokens=24, long_prefill_token_threshold=16)  # room for b beside
+    want = _run(_engine(False, **kw), reqs, dict(events))
+    eng = _engine(True, **kw)
+    seen = []
+    launch = eng.runner.launch_overlapped
+    eng.runner.launch_overlapped = lambda rows, sampling, src=None, pos=None: (
+        seen.append(pos), launch(rows, sampling, src, pos))[1]
+    got = _run(eng, reqs, dict(events))
+    assert got == want
+    assert any(p is not None and p[0] > 0 for p in seen)  # a decode row behind a chunk
+    _no_leak(eng)
