@@ -220,3 +220,51 @@ def test_overlapped_mixed_step_on_the_gpu(hf_dir):
     agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
     assert agree >= 0.9 * 80, (want, got)
     assert eng.kv.fence == 0 and eng.kv.num_deferred_blocks == 0
+
+
+def test_overlapped_prompt_chunks_on_the_gpu(hf_dir):
+    """A long prompt prefilled in chunks of 64 tokens while short requests that arrived after
+    it decode: each chunk runs in a blind step (prefill graphs fed the decode rows' tokens on
+    the device at their flat positions, behind the chunk); every request gets all its tokens,
+    which agree with the synchronous engine's (same schedule: most tokens, bf16 rounding
+    aside)."""
+    path, _ = hf_dir
+    eng = Engine(EngineConfig(
+        model=ModelConfig(model=path, dtype="bf16", max_model_len=2048),
+        cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96,
+                                  long_prefill_token_threshold=64),
+        device=DeviceConfig(device="cuda", cuda_graph_max_batch=8)))
+    prompts = [p[:16] for p in _prompts(2)]
+    long = [t % 4096 for t in range(7, 7 + 600)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(overlap):
+        eng.overlap = overlap
+        eng.add_request(f"c{overlap}-2", long, sp)
+        got, behind, step = {}, 0, 0
+        launch = eng.runner.launch_overlapped
+
+        def spy(rows, sampling, src=None, pos=None):
+            nonlocal behind
+            behind += pos is not None and pos[0] > 0
+            return launch(rows, sampling, src, pos)
+        eng.runner.launch_overlapped = spy
+        try:
+            while eng.has_unfinished():
+                for o in eng.step():
+                    got.setdefault(int(o.request_id.rsplit("-", 1)[1]), []).extend(o.new_token_ids)
+                step += 1
+                if step == 2:  # the long prompt's third chunk is next: they join beside it
+                    for i, p in enumerate(prompts):
+                        eng.add_request(f"c{overlap}-{i}", p, sp)
+        finally:
+            del eng.runner.launch_overlapped
+        return [got[i] for i in range(3)], behind
+
+    want, _ = run(False)
+    got, behind = run(True)
+    assert [len(t) for t in got] == [24] * 3 and behind > 0
+    agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+    assert agree >= 0.9 * 72, (want, got)
+    assert eng.kv.fence == 0 and eng.kv.num_deferred_blocks == 0
