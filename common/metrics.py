@@ -67,6 +67,11 @@ class ServiceMetrics:
                                       "Tokens looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("splitserve_prefix_cache_hits",
                                    "Tokens found in the prefix cache", registry=r)
+        # --- engine steps (overlapped decode: engine/overlap.py)
+        self.engine_steps = Counter("splitserve_engine_steps", "Model steps completed", registry=r)
+        self.overlapped_steps = Counter(
+            "splitserve_engine_overlapped_steps",
+            "Model steps launched before the previous step's tokens reached the host", registry=r)
         # --- KV transfer
         self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved",
                                          ["direction"], registry=r)  # direction: send|recv
@@ -151,6 +156,8 @@ class ServiceMetrics:
                 gauge.set(v)
         self._sync_counter("prefix_queries", self.prefix_queries, stats.get("prefix_queries"))
         self._sync_counter("prefix_hits", self.prefix_hits, stats.get("prefix_hits"))
+        self._sync_counter("num_steps", self.engine_steps, stats.get("num_steps"))
+        self._sync_counter("num_overlapped_steps", self.overlapped_steps, stats.get("num_overlapped_steps"))
         self._sync_counter("graph_replays", self.cuda_graph_replays,
                            stats.get("cuda_graph_replay_total"))
         self._sync_counter("graph_fallbacks", self.cuda_graph_fallbacks,

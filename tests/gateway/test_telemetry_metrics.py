@@ -46,7 +46,8 @@ def test_metrics_from_engine_stats_and_render():
     m = ServiceMetrics("test")
     m.update_from_engine_stats({"running": 3, "waiting": 1, "kv_usage": 0.5, "prefix_hits": 10,
                                 "prefix_queries": 20, "cuda_graph_replay_total": 4})
-    m.update_from_engine_stats({"prefix_hits": 15, "prefix_queries": 30, "cuda_graph_replay_total": 4})
+    m.update_from_engine_stats({"prefix_hits": 15, "prefix_queries": 30, "cuda_graph_replay_total": 4,
+                                "num_steps": 12, "num_overlapped_steps": 9})
     m.observe_kv_transfer("send", 1024, 0.01)
     m.admission.labels(decision="reject").inc()
     body, ctype = m.render()
@@ -55,6 +56,7 @@ def test_metrics_from_engine_stats_and_render():
     for line in ("splitserve_num_requests_running 3.0", "splitserve_kv_cache_usage_ratio 0.5",
                  "splitserve_prefix_cache_hits_total 15.0", "splitserve_prefix_cache_queries_total 30.0",
                  "splitserve_cuda_graph_replays_total 4.0",
+                 "splitserve_engine_steps_total 12.0", "splitserve_engine_overlapped_steps_total 9.0",
                  'splitserve_kv_transfer_bytes_total{direction="send"} 1024.0',
                  'splitserve_admission_decisions_total{decision="reject"} 1.0'):
         assert line in text, line
