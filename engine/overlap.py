@@ -167,8 +167,8 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
 
     dry = SchedulerOutput()
     sched.schedule_running(dry, sched.cfg.max_num_batched_tokens, plan.remaining_of, count)
-    if not any(s.sample for s in dry.scheduled) or need > kv.num_free_blocks:
-        return None  # a step sampling nothing (prompt chunks only), or a preemption
+    if not dry.scheduled or need > kv.num_free_blocks:
+        return None  # nothing to run (the scheduler decides), or it would preempt
     return plan
 
 
@@ -234,7 +234,8 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         pos = {id(r): i for i, r in enumerate(prev.sample_reqs)}
         idx = torch.tensor([pos[id(r)] for r in tok_reqs], dtype=torch.long, device=prev.tokens.device)
         tokens = prev.tokens.index_select(0, idx)
-    batch = prev.batch if _same(sample, prev.sample_reqs) else sampling_batch(sample)
+    batch = (prev.batch if _same(sample, prev.sample_reqs)
+             else sampling_batch(sample) if sample else None)  # None: earlier chunks only
     leading = tok_pos == list(range(len(tok_pos)))
     return Launched(out, sample, batch, seq), rows, tokens, None if leading else tok_pos
 

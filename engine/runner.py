@@ -235,12 +235,12 @@ class ModelRunner:
         return out, logits
 
     @torch.inference_mode()
-    def launch_overlapped(self, rows: list[StepInput], sampling: SamplingBatch,
+    def launch_overlapped(self, rows: list[StepInput], sampling: SamplingBatch | None,
                           token_src: torch.Tensor | None = None,
                           token_pos: list[int] | None = None) -> torch.Tensor:
         """A step run and sampled on the device without waiting for it: returns the sampled
         rows' token ids [n] as a device tensor (no logprobs). Rows: decode rows and prompt
-        chunks (a chunk before a prompt's last samples nothing).
+        chunks (a chunk before a prompt's last samples nothing; sampling None: no row samples).
         token_src: the input ids of the decode rows that continue the previous step, as a
         device tensor (its sampled tokens, not yet on the host: engine/overlap.py); token_pos:
         their flat positions among the step's input ids (None: the leading ones)."""
@@ -249,6 +249,8 @@ class ModelRunner:
             logits = self._replay(rows, token_src, token_pos)
             if logits is None:
                 logits = self._eager_logits(rows, token_src, token_pos)
+            if sampling is None:  # earlier chunks of prompts only: nothing to sample
+                return torch.empty(0, dtype=torch.long, device=self.device)
             return self.sampler.tokens(logits, sampling)
         logits = (self.graphs.run_rows(rows, token_src, token_pos)
                   if self.graphs is not None else None)

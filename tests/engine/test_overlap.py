@@ -479,3 +479,18 @@ def test_decode_rows_behind_a_prompt_chunk_take_their_tokens_at_their_positions(
     assert got == want
     assert any(p is not None and p[0] > 0 for p in seen)  # a decode row behind a chunk
     _no_leak(eng)
+
+
+def test_a_long_prompt_alone_runs_its_chunks_blind():
+    """A prompt of several chunks with nothing else running: its chunk steps sample nothing,
+    yet each next chunk is launched before the one in flight ends (no token to wait for);
+    the same tokens as the synchronous engine, and no step after the first waits."""
+    reqs = [("long", list(range(200, 290)), _greedy(6))]
+    want = _run(_engine(False, max_num_batched_tokens=24), reqs)
+    eng = _engine(True, max_num_batched_tokens=24)
+    gaps = []
+    got = _run(eng, reqs, {i: (lambda e: gaps.append(e.has_unfinished() and e._inflight is None))
+                           for i in range(40)})
+    assert got == want and not any(gaps)
+    assert eng.num_overlapped_steps == len(gaps) - 1  # every step but the first launched ahead
+    _no_leak(eng)
