@@ -159,6 +159,12 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
     plan = FollowPlan({id(s.req): s for s in rows}, ends)
     kv = sched.kv
     need = 0
+    if all(s.sample for s in rows) and len(rows) <= sched.cfg.max_num_batched_tokens:
+        # decode rows only: the running phase gives each request not ending one token
+        for s in rows:
+            if id(s.req) not in ends:
+                need += max(0, kv.blocks_needed(s.req, s.num_tokens + 1))
+        return plan if need <= kv.num_free_blocks else None
 
     def count(req: Request, n: int) -> bool:
         nonlocal need
