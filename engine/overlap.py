@@ -21,9 +21,11 @@ rows behind such a chunk take their device tokens at their flat positions). Requ
 unseen token ends by length are left out of it. Waiting requests join it through the scheduler's own
 admission (`Scheduler.admit_waiting`: FIFO, token budget, free slots and blocks), so an
 arrival does not stop the overlap: the blind step is then a mixed step, the decode rows'
-input ids copied from the device and the prompts' from the host; unless the head of the queue
-needs its first token's logprobs or is a prefill-only request, or a request ending by length
-frees a slot for it: then the engine waits and schedules normally. A request that stops on
+input ids copied from the device and the prompts' from the host (a slot that a request ending
+by length frees is taken in the same step; its blocks come back once the step in flight is
+done, so a waiting request short of blocks may start a step later than without overlap);
+unless the head of the queue needs its first token's logprobs or is a prefill-only request:
+then the engine waits and schedules normally. A request that stops on
 the token the host has not seen yet (eos, stop token, stop string, abort) has one wasted row
 in the step already launched; its output is dropped, and its blocks are freed only after
 that step completed (KVCacheManager.fence): a KV import from another process must not land
@@ -154,8 +156,8 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
             return None
         if n_out + 1 >= p.max_tokens or r.num_tokens + 1 >= sched.max_len:
             ends.add(id(r))  # prev's token ends it (scheduler._check_stop's length rule)
-    if ends and (len(ends) == len(rows) or sched.waiting):
-        return None  # nothing left, or a slot frees for a waiting request
+    if len(ends) == len(rows):
+        return None  # nothing left to continue: the scheduler decides
     plan = FollowPlan({id(s.req): s for s in rows}, ends)
     kv = sched.kv
     need = 0

@@ -273,8 +273,8 @@ def test_one_token_requests_in_a_mixed_step():
 
 def test_a_full_batch_with_a_queue_still_overlaps():
     """Every sequence slot taken and requests waiting: the next schedule would admit none of
-    them, so decode steps still follow blindly; a waiting request joins once a slot frees (a
-    request ending by length makes that step synchronous). The same tokens."""
+    them, so decode steps still follow blindly; a waiting request joins once a slot frees
+    (a request ending by length hands its slot over in the blind step). The same tokens."""
     reqs = [(f"r{i}", p, _greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS, (6, 9, 4, 7)))]
     want = _run(_engine(False, max_num_seqs=2), reqs)
     eng = _engine(True, max_num_seqs=2)
@@ -301,14 +301,17 @@ def test_requests_ending_by_length_are_left_out_of_the_blind_step():
     _no_leak(eng)
 
 
-def test_a_length_end_with_a_queue_runs_synchronously():
-    """A request ends by length while another waits for its slot: the next schedule admits
-    it, so that step is not launched blind; the same tokens as the synchronous engine."""
+def test_a_length_end_with_a_queue_hands_its_slot_over_blind():
+    """A request ends by length while another waits for its slot: the blind step leaves the
+    ending request out and admits the waiting one in its place, as the next schedule would;
+    no step after the first waits, and the tokens equal the synchronous engine's."""
     reqs = [("a", PROMPTS[0], _greedy(4)), ("b", PROMPTS[1], _greedy(12)), ("c", PROMPTS[2], _greedy(6))]
     want = _run(_engine(False, max_num_seqs=2), reqs)
     eng = _engine(True, max_num_seqs=2)
-    got = _run(eng, reqs)
-    assert got == want and eng.num_overlapped_steps > 0
+    gaps = []
+    got = _run(eng, reqs, {i: (lambda e: gaps.append(e.has_unfinished() and e._inflight is None))
+                           for i in range(40)})
+    assert got == want and not any(gaps)
     _no_leak(eng)
 
 
@@ -493,4 +496,23 @@ def test_a_long_prompt_alone_runs_its_chunks_blind():
                            for i in range(40)})
     assert got == want and not any(gaps)
     assert eng.num_overlapped_steps == len(gaps) - 1  # every step but the first launched ahead
+    _no_leak(eng)
+
+
+@pytest.mark.parametrize("num_blocks", [4, 5, 64])
+def test_a_busy_queue_with_length_ends_and_few_blocks(num_blocks):
+    """Many requests of varied lengths through 3 slots, arrivals every few steps, and (with 4
+    or 5 blocks) too few blocks for everyone: slots handed over blind, waits for blocks, a
+    preemption (4 blocks). Every request ends with all its tokens, nothing leaks, and the
+    tokens equal the synchronous engine's."""
+    reqs = [(f"q{i}", PROMPTS[i % 4][: 3 + 5 * (i % 5)] or [1], _greedy(3 + (7 * i) % 11))
+            for i in range(10)]
+    late = {2 * i: (lambda e, i=i: e.add_request(f"late{i}", [20 + i] * (4 + 3 * i), _greedy(5 + i)))
+            for i in range(6)}
+    want = _run(_engine(False, num_blocks=num_blocks, max_num_seqs=3), reqs, dict(late))
+    eng = _engine(True, num_blocks=num_blocks, max_num_seqs=3)
+    got = _run(eng, reqs, dict(late))
+    assert got[1] == want[1] and all(r == "length" for r in got[1].values()) and len(got[1]) == 16
+    assert got[0] == want[0]
+    assert eng.num_overlapped_steps > 0 and (num_blocks > 4 or eng.scheduler.num_preemptions > 0)
     _no_leak(eng)
