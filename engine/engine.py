@@ -208,7 +208,8 @@ class Engine:
         """An overlapped step (decode rows, prompt chunks): run and sample on the device, start
         the tokens' copy to the host; blocks freed from now on wait until this step is known
         complete. token_src / token_pos: decode rows' input ids on the device (follow)."""
-        launched.tokens = self.runner.launch_overlapped(rows, launched.batch, token_src, token_pos)
+        launched.tokens, launched.logprobs = self.runner.launch_overlapped(
+            rows, launched.batch, token_src, token_pos)
         self._readback.start(launched)
         self.kv.fence = launched.seq
 

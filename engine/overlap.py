@@ -13,7 +13,7 @@ computes instead of leaving it idle.
 A step may follow blindly (`plan_follow`) only when it would have been scheduled so: the
 previous step ran every running request and was itself launched overlapped (its sampled
 tokens stay on the device); no request needs state the unknown token changes (penalties,
-min_tokens bans, seeded sampling, logprobs); and the cache has the blocks it needs (no
+min_tokens bans, seeded sampling); and the cache has the blocks it needs (no
 preemption). Its running rows come from the scheduler's own running phase
 (`Scheduler.schedule_running`) on the state after the previous step: a decode row for each
 request that step sampled, the next chunk of each prompt it ran an earlier chunk of (decode
@@ -24,8 +24,8 @@ arrival does not stop the overlap: the blind step is then a mixed step, the deco
 input ids copied from the device and the prompts' from the host (a slot that a request ending
 by length frees is taken in the same step; its blocks come back once the step in flight is
 done, so a waiting request short of blocks may start a step later than without overlap);
-unless the head of the queue needs its first token's logprobs or is a prefill-only request:
-then the engine waits and schedules normally. A request that stops on
+unless the head of the queue is a prefill-only request: then the engine waits and schedules
+normally. Logprobs are computed on the device with the tokens and read back with them. A request that stops on
 the token the host has not seen yet (eos, stop token, stop string, abort) has one wasted row
 in the step already launched; its output is dropped, and its blocks are freed only after
 that step completed (KVCacheManager.fence): a KV import from another process must not land
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.layers.sampler import SamplerOutput, SamplingBatch
+from engine.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.request import Request
 from engine.runner import StepInput
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -59,20 +59,25 @@ class Launched:
     t0: float = field(default_factory=time.perf_counter)
     out: SamplerOutput | None = None
     tokens: torch.Tensor | None = None  # device token ids, one per sampled row
-    host: torch.Tensor | None = None  # their host copy (pinned on CUDA)
-    event: torch.cuda.Event | None = None  # recorded after the copy
+    logprobs: list[torch.Tensor] | None = None  # Sampler.logprobs_device's, where rows ask
+    host: torch.Tensor | None = None  # the tokens' host copy (pinned on CUDA)
+    host_logprobs: list[torch.Tensor] | None = None
+    event: torch.cuda.Event | None = None  # recorded after the copies
 
     @property
     def overlapped(self) -> bool:
         return self.tokens is not None
 
     def result(self) -> SamplerOutput | None:
-        """The sampled tokens; waits for this step (and nothing launched after it)."""
+        """The sampled tokens (and logprobs); waits for this step (and nothing launched after
+        it)."""
         if self.tokens is not None and self.out is None:
             if self.event is not None:
                 self.event.synchronize()
             n = len(self.sample_reqs)
-            self.out = SamplerOutput(self.host[:n].tolist(), [None] * n)
+            lps = (Sampler.logprobs_list(self.host_logprobs, self.batch)
+                   if self.host_logprobs is not None else [None] * n)
+            self.out = SamplerOutput(self.host[:n].tolist(), lps)
         return self.out
 
 
@@ -90,23 +95,26 @@ class TokenReadback:
         host = self._bufs[launched.seq % 2]
         host[:n].copy_(launched.tokens, non_blocking=self._cuda)
         launched.host = host
+        if launched.logprobs is not None:  # small: pinned buffers from torch's host cache
+            launched.host_logprobs = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda).copy_(t, non_blocking=self._cuda)
+                for t in launched.logprobs]
         if self._cuda:
             launched.event = torch.cuda.Event()
             launched.event.record()
 
 
 def can_overlap(sample_reqs: list[Request], batch: SamplingBatch | None) -> bool:
-    """Whether a step whose every row samples these requests (decode rows, prompts in their
-    last chunk) may run overlapped (its tokens read back later, no logprobs, no layer-by-layer
-    KV push of a prefill-only request): the sampler needs nothing from the host after launch."""
-    return batch is not None and all(r.params.logprobs is None and not r.prefill_only
-                                     for r in sample_reqs)
+    """Whether a step sampling these requests may run overlapped (its tokens, and logprobs
+    where asked, read back later; no layer-by-layer KV push of a prefill-only request): the
+    sampler needs nothing from the host after launch."""
+    return batch is not None and all(not r.prefill_only for r in sample_reqs)
 
 
 def blind_admissible(req: Request) -> bool:
-    """Whether a waiting request may be admitted into a step launched blind: it needs no
-    logprobs of its first token and no layer-by-layer KV streaming (prefill-only requests)."""
-    return not req.prefill_only and req.params.logprobs is None
+    """Whether a waiting request may be admitted into a step launched blind: not one whose
+    KV is pushed layer by layer (prefill-only requests of a disaggregated prefill service)."""
+    return not req.prefill_only
 
 
 @dataclass
@@ -151,7 +159,7 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
             continue
         p = r.params
         n_out = len(r.output_token_ids)  # prev's token not yet among them
-        if (n_out < p.min_tokens or p.needs_penalties or p.logprobs is not None
+        if (n_out < p.min_tokens or p.needs_penalties
                 or (p.seed is not None and p.temperature != 0.0)):
             return None
         if n_out + 1 >= p.max_tokens or r.num_tokens + 1 >= sched.max_len:

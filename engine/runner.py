@@ -237,9 +237,11 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_overlapped(self, rows: list[StepInput], sampling: SamplingBatch | None,
                           token_src: torch.Tensor | None = None,
-                          token_pos: list[int] | None = None) -> torch.Tensor:
+                          token_pos: list[int] | None = None
+                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """A step run and sampled on the device without waiting for it: returns the sampled
-        rows' token ids [n] as a device tensor (no logprobs). Rows: decode rows and prompt
+        rows' token ids [n] as a device tensor, and Sampler.logprobs_device's tensors for the
+        rows that ask for logprobs (None when none does). Rows: decode rows and prompt
         chunks (a chunk before a prompt's last samples nothing; sampling None: no row samples).
         token_src: the input ids of the decode rows that continue the previous step, as a
         device tensor (its sampled tokens, not yet on the host: engine/overlap.py); token_pos:
@@ -250,15 +252,20 @@ class ModelRunner:
             if logits is None:
                 logits = self._eager_logits(rows, token_src, token_pos)
             if sampling is None:  # earlier chunks of prompts only: nothing to sample
-                return torch.empty(0, dtype=torch.long, device=self.device)
-            return self.sampler.tokens(logits, sampling)
-        logits = (self.graphs.run_rows(rows, token_src, token_pos)
-                  if self.graphs is not None else None)
-        if logits is None:
-            logits = self._eager_logits(rows, token_src, token_pos)
-        elif sampling.greedy_only:
-            return self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
-        return self.sampler.tokens(logits, sampling)
+                return torch.empty(0, dtype=torch.long, device=self.device), None
+            tokens = self.sampler.tokens(logits, sampling)
+        else:
+            logits = (self.graphs.run_rows(rows, token_src, token_pos)
+                      if self.graphs is not None else None)
+            if logits is None:
+                logits = self._eager_logits(rows, token_src, token_pos)
+                tokens = self.sampler.tokens(logits, sampling)
+            elif sampling.greedy_only:
+                tokens = self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
+            else:
+                tokens = self.sampler.tokens(logits, sampling)
+        # NOTE: enqueued before anything else can replay over these logits
+        return tokens, self.sampler.logprobs_device(logits, tokens, sampling)
 
     def _replay(self, rows: list[StepInput], token_src: torch.Tensor | None = None,
                 token_pos: list[int] | None = None) -> torch.Tensor | None:

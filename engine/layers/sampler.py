@@ -112,19 +112,35 @@ class Sampler:
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         return (probs / q).argmax(dim=-1)
 
+    @classmethod
+    def _logprobs(cls, raw: torch.Tensor, tokens: torch.Tensor, b: SamplingBatch):
+        return cls.logprobs_list(cls.logprobs_device(raw, tokens, b), b)
+
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, b: SamplingBatch):
+    def logprobs_device(raw: torch.Tensor, tokens: torch.Tensor, b: SamplingBatch
+                        ) -> list[torch.Tensor] | None:
+        """The logprobs the rows asking for them need, as device tensors (no host sync):
+        [chosen [R], top values [R, k], top ids [R, k]] (k = the largest top-N asked, the top
+        pair absent when k == 0), or None when no row asks. logprobs_list reads them."""
         rows = [i for i, n in enumerate(b.logprobs) if n is not None]
-        out: list = [None] * b.num_rows
         if not rows:
-            return out
+            return None
         ridx = torch.tensor(rows, dtype=torch.long, device=raw.device)
-        lp = raw.index_select(0, ridx).log_softmax(dim=-1)
-        chosen = lp.gather(1, tokens.index_select(0, ridx).unsqueeze(1)).squeeze(1).tolist()
+        lp = raw.float().index_select(0, ridx).log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.index_select(0, ridx).unsqueeze(1)).squeeze(1)
         k = max(b.logprobs[i] for i in rows)
-        top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (None, None))
-        top_v = top_v.tolist() if k > 0 else None
-        top_i = top_i.tolist() if k > 0 else None
+        return [chosen, *lp.topk(k, dim=-1)] if k > 0 else [chosen]
+
+    @staticmethod
+    def logprobs_list(dev: list[torch.Tensor] | None, b: SamplingBatch):
+        """logprobs_device's tensors (on any device) -> per row: None, or (logprob of the
+        chosen token, [(token_id, logprob)] top-N)."""
+        out: list = [None] * b.num_rows
+        if dev is None:
+            return out
+        rows = [i for i, n in enumerate(b.logprobs) if n is not None]
+        chosen = dev[0].tolist()
+        top_v, top_i = (dev[1].tolist(), dev[2].tolist()) if len(dev) > 1 else (None, None)
         for j, i in enumerate(rows):
             n = b.logprobs[i]
             top = [(top_i[j][t], top_v[j][t]) for t in range(n)] if n else []

@@ -145,14 +145,13 @@ def test_arrival_and_preemption_match_synchronous():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(logprobs=2),
     dict(temperature=0.8, seed=7),
     dict(temperature=0.0, repetition_penalty=1.3),
     dict(temperature=0.0, min_tokens=6, stop_token_ids=(5,)),
 ])
 def test_requests_that_need_the_host_run_synchronously(kw):
-    """logprobs, seeded sampling, penalties and min_tokens bans depend on the tokens so far:
-    such steps are never launched blind, and the results equal the synchronous engine's."""
+    """Seeded sampling, penalties and min_tokens bans depend on the tokens so far: such steps
+    are never launched blind, and the results equal the synchronous engine's."""
     params = SamplingParams(max_tokens=8, ignore_eos=True, **{"temperature": 0.0, **kw})
     reqs = [("x", PROMPTS[1], params)]
     want = _run(_engine(False), reqs)
@@ -379,39 +378,69 @@ def test_an_arrival_in_a_blind_step_hits_the_prefix_the_step_before_computes(tog
     _no_leak(eng)
 
 
-def test_a_waiting_request_a_blind_step_cannot_take_is_scheduled_synchronously():
-    """The head of the queue wants logprobs (or is prefill-only): it is never admitted into a
-    blind step, the next step is scheduled normally and it is not passed over; the same
-    tokens and logprobs as the synchronous engine."""
+def _run_lp(eng: Engine, reqs, events):
+    """_run, also collecting each request's logprobs; and after each step whether the engine
+    waited (nothing in flight while requests remain)."""
+    for rid, prompt, params in reqs:
+        eng.add_request(rid, prompt, params)
+    toks, lps, gaps = {}, {}, []
+    for i in range(200):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            lps.setdefault(o.request_id, []).extend(o.logprobs)
+        if i in events:
+            events[i](eng)
+        gaps.append(eng.has_unfinished() and eng._inflight is None)
+    return toks, lps, gaps
+
+
+def test_logprobs_are_read_back_with_the_tokens():
+    """Requests asking for logprobs (top 0..3, one arriving mid-run) run overlapped: the
+    logprobs are computed on the device with the tokens and read back with them; tokens and
+    logprobs equal the synchronous engine's, and no step after the first waits."""
+    lp = lambda n, k: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=k)  # noqa: E731
+    reqs = [("a", PROMPTS[0], lp(10, 3)), ("b", PROMPTS[1], _greedy(12)), ("c", PROMPTS[2], lp(8, 0))]
+    events = {2: lambda e: e.add_request("late", PROMPTS[3], lp(6, 1))}
+    want = _run_lp(_engine(False), reqs, dict(events))
+    eng = _engine(True)
+    got = _run_lp(eng, reqs, dict(events))
+    assert got[0] == want[0] and not any(got[2])
+    # the arrival joins one model step later with the overlap (that step was launched before
+    # it came), so the rows beside it may differ by an ulp: ids exact, values close
+    for rid, w in want[1].items():
+        g = got[1][rid]
+        assert len(g) == len(w)
+        for (c, top), (wc, wtop) in zip(g, w):
+            assert c == pytest.approx(wc, abs=1e-5)
+            assert [t for t, _ in top] == [t for t, _ in wtop]
+            assert [v for _, v in top] == pytest.approx([v for _, v in wtop], abs=1e-5)
+    assert [len(got[1][r]) for r in ("a", "c", "late")] == [10, 8, 6] and not got[1]["b"]
+    assert all(len(top) == 3 for _, top in got[1]["a"]) and all(top == [] for _, top in got[1]["c"])
+    _no_leak(eng)
+
+
+def test_a_prefill_only_request_waiting_is_scheduled_synchronously():
+    """The head of the queue is prefill-only (its KV is pushed layer by layer on a prefill
+    service): it is never admitted into a blind step, the next step is scheduled normally and
+    it is not passed over; the same tokens as the synchronous engine."""
     from engine.overlap import blind_admissible
     from engine.request import Request
 
     reqs = [("r0", PROMPTS[1], _greedy(14))]
-    lp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
-    later = ("after", PROMPTS[3], _greedy(5))
-    events = {2: lambda e: (e.add_request("lp", PROMPTS[2], lp), e.add_request(*later))}
 
-    def run(eng):
-        for rid, prompt, params in reqs:
-            eng.add_request(rid, prompt, params)
-        toks, lps, gaps = {}, {}, []
-        for i in range(100):
-            if not eng.has_unfinished():
-                break
-            for o in eng.step():
-                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
-                lps.setdefault(o.request_id, []).extend(o.logprobs)
-            if i in events:
-                events[i](eng)
-            gaps.append(eng.has_unfinished() and eng._inflight is None)
-        return toks, lps, gaps
-
-    want = run(_engine(False))
+    def arrive(e):
+        e.add_request("pf", PROMPTS[2], _greedy(1), prefill_only=True)
+        e.add_request("after", PROMPTS[3], _greedy(5))
+    events = {2: arrive}
+    want = _run_lp(_engine(False), reqs, dict(events))
     eng = _engine(True)
-    got = run(eng)
-    assert got[:2] == want[:2] and len(got[1]["lp"]) == 5
+    got = _run_lp(eng, reqs, dict(events))
+    assert got[:2] == want[:2] and len(got[0]["pf"]) == 1 and len(got[0]["after"]) == 5
     assert got[2][3]  # the step after the arrival waited for its tokens
     assert eng.num_overlapped_steps > 0
+    eng.kv.free("pf")  # its KV was kept for the export, as a prefill service does
     _no_leak(eng)
     r = Request("p", [1, 2], _greedy(1))
     r.prefill_only = True
