@@ -159,8 +159,7 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
             continue
         p = r.params
         n_out = len(r.output_token_ids)  # prev's token not yet among them
-        if (n_out < p.min_tokens or p.needs_penalties
-                or (p.seed is not None and p.temperature != 0.0)):
+        if p.needs_penalties:  # they count the token values seen so far
             return None
         if n_out + 1 >= p.max_tokens or r.num_tokens + 1 >= sched.max_len:
             ends.add(id(r))  # prev's token ends it (scheduler._check_stop's length rule)
@@ -250,8 +249,13 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         pos = {id(r): i for i, r in enumerate(prev.sample_reqs)}
         idx = torch.tensor([pos[id(r)] for r in tok_reqs], dtype=torch.long, device=prev.tokens.device)
         tokens = prev.tokens.index_select(0, idx)
-    batch = (prev.batch if _same(sample, prev.sample_reqs)
-             else sampling_batch(sample) if sample else None)  # None: earlier chunks only
+    if not sample:
+        batch = None  # earlier chunks only
+    elif _same(sample, prev.sample_reqs) and not prev.batch.step_dependent:
+        batch = prev.batch
+    else:  # the rows continuing prev have one more token than their requests show
+        cont = {id(r) for r in tok_reqs}
+        batch = sampling_batch(sample, [int(id(r) in cont) for r in sample])
     leading = tok_pos == list(range(len(tok_pos)))
     return Launched(out, sample, batch, seq), rows, tokens, None if leading else tok_pos
 

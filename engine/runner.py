@@ -295,8 +295,8 @@ class ModelRunner:
         self.step_times.append(time.perf_counter() - t0)
         del self.step_times[:-64]
 
-    def sampling_batch(self, reqs) -> SamplingBatch:
-        return SamplingBatch.from_requests(reqs, self.arch.vocab_size, self.device)
+    def sampling_batch(self, reqs, ahead: list[int] | None = None) -> SamplingBatch:
+        return SamplingBatch.from_requests(reqs, self.arch.vocab_size, self.device, ahead)
 
 
 def format_ranges(xs: list[int]) -> str:

@@ -83,13 +83,24 @@ class SamplingBatch:
         tokens are exactly logits.argmax(-1), which a decode graph computes itself."""
         return self.all_greedy and self.ban_rows is None and self.pen_rows is None
 
+    @property
+    def step_dependent(self) -> bool:
+        """Whether the batch holds state of this step's output counts (seeded rows' noise, a
+        min_tokens ban still on): then the next step needs a new one."""
+        return bool(self.seeded) or self.ban_rows is not None
+
     @staticmethod
-    def from_requests(reqs: list[Request], vocab_size: int, device) -> "SamplingBatch":
+    def from_requests(reqs: list[Request], vocab_size: int, device,
+                      ahead: list[int] | None = None) -> "SamplingBatch":
+        """ahead: per row, tokens the request has produced that are not among its
+        output_token_ids yet (an overlapped step's, still on the device: engine/overlap.py);
+        they count for seeds and min_tokens."""
         if not reqs:
             raise ValueError("SamplingBatch needs at least one request")
         dev = torch.device(device)
         V = vocab_size
         ps = [r.params for r in reqs]
+        n_out = [len(r.output_token_ids) + (ahead[i] if ahead else 0) for i, r in enumerate(reqs)]
 
         def f32(vals):
             return torch.tensor(vals, dtype=torch.float32, device=dev)
@@ -105,8 +116,8 @@ class SamplingBatch:
             top_p = f32([p.top_p for p in ps])
         if any(p.min_p > 0.0 for p in sampling):
             min_p = f32([p.min_p for p in ps])
-        seeded = [(i, mix_seed(p.seed, len(r.output_token_ids)))
-                  for i, (r, p, g) in enumerate(zip(reqs, ps, greedy)) if p.seed is not None and not g]
+        seeded = [(i, mix_seed(p.seed, n_out[i]))
+                  for i, (p, g) in enumerate(zip(ps, greedy)) if p.seed is not None and not g]
 
         pen = [i for i, p in enumerate(ps) if p.needs_penalties]
         pen_rows = rep = pres = freq = seen = counts = None
@@ -124,7 +135,7 @@ class SamplingBatch:
 
         ban_r, ban_t = [], []
         for i, (r, p) in enumerate(zip(reqs, ps)):
-            if len(r.output_token_ids) < p.min_tokens:
+            if n_out[i] < p.min_tokens:
                 stops = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     stops.update(r.eos_token_ids)

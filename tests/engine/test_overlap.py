@@ -145,23 +145,43 @@ def test_arrival_and_preemption_match_synchronous():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(temperature=0.8, seed=7),
     dict(temperature=0.0, repetition_penalty=1.3),
-    dict(temperature=0.0, min_tokens=6, stop_token_ids=(5,)),
+    dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3),
 ])
-def test_requests_that_need_the_host_run_synchronously(kw):
-    """Seeded sampling, penalties and min_tokens bans depend on the tokens so far: such steps
-    are never launched blind, and the results equal the synchronous engine's."""
-    params = SamplingParams(max_tokens=8, ignore_eos=True, **{"temperature": 0.0, **kw})
+def test_requests_with_penalties_run_synchronously(kw):
+    """Penalties count the token values so far: a step after one that sampled such a request
+    is never launched blind, and the results equal the synchronous engine's."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True, seed=3, **kw)
     reqs = [("x", PROMPTS[1], params)]
     want = _run(_engine(False), reqs)
     eng = _engine(True)
     got = _run(eng, reqs)
-    assert got == want
-    if "min_tokens" in kw:  # blind steps resume once the ban no longer applies
-        assert eng.num_overlapped_steps > 0
-    else:
-        assert eng.num_overlapped_steps == 0
+    assert got == want and eng.num_overlapped_steps == 0
+    _no_leak(eng)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.8, seed=7),
+    dict(temperature=0.9, top_p=0.8, seed=11),
+    dict(temperature=0.0, min_tokens=6, stop_token_ids=(5,)),
+    dict(temperature=0.8, seed=5, min_tokens=4),
+])
+def test_seeds_and_min_tokens_run_blind(kw):
+    """Seeded sampling and min_tokens bans depend on how many tokens a request has, not on
+    their values: the blind step's SamplingBatch counts the one still on the device, so the
+    steps run blind from the first and the tokens equal the synchronous engine's (a seeded
+    request draws the same tokens whatever runs beside it)."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **{"temperature": 0.0, **kw})
+    reqs = [("x", PROMPTS[1], params), ("y", PROMPTS[0], _greedy(10))]
+    events = {3: lambda e: e.add_request("z", PROMPTS[2], params)}
+    want = _run(_engine(False), reqs, dict(events))
+    eng = _engine(True)
+    gaps = []
+    ev = {i: (lambda e, i=i: (events[i](e) if i in events else None,
+                              gaps.append(e.has_unfinished() and e._inflight is None)))
+          for i in range(40)}
+    got = _run(eng, reqs, ev)
+    assert got == want and not any(gaps)
     _no_leak(eng)
 
 
@@ -544,4 +564,22 @@ def test_a_busy_queue_with_length_ends_and_few_blocks(num_blocks):
     assert got[1] == want[1] and all(r == "length" for r in got[1].values()) and len(got[1]) == 16
     assert got[0] == want[0]
     assert eng.num_overlapped_steps > 0 and (num_blocks > 4 or eng.scheduler.num_preemptions > 0)
+    _no_leak(eng)
+
+
+def test_a_min_tokens_ban_ends_on_the_right_token_blind():
+    """min_tokens=6 with a stop token the model picks at its 7th token: the ban is off for
+    that token, so the request stops there; a blind step must count the token still on the
+    device (a ban one token too long would change it). The same as the synchronous engine."""
+    base = _run(_engine(False), [("x", PROMPTS[1], _greedy(12))])[0]["x"]
+    stop = base[6]
+    assert stop not in base[:6]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=6,
+                            stop_token_ids=(stop,))
+    reqs = [("x", PROMPTS[1], params), ("y", PROMPTS[0], _greedy(12))]
+    want = _run(_engine(False), reqs)
+    eng = _engine(True)
+    got = _run(eng, reqs)
+    assert got == want and got[0]["x"] == base[:7] and got[1]["x"] == "stop"
+    assert eng.num_overlapped_steps > 5
     _no_leak(eng)
