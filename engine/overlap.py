@@ -159,8 +159,6 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
             continue
         p = r.params
         n_out = len(r.output_token_ids)  # prev's token not yet among them
-        if p.needs_penalties:  # they count the token values seen so far
-            return None
         if n_out + 1 >= p.max_tokens or r.num_tokens + 1 >= sched.max_len:
             ends.add(id(r))  # prev's token ends it (scheduler._check_stop's length rule)
     if len(ends) == len(rows):
@@ -254,8 +252,13 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
     elif _same(sample, prev.sample_reqs) and not prev.batch.step_dependent:
         batch = prev.batch
     else:  # the rows continuing prev have one more token than their requests show
-        cont = {id(r) for r in tok_reqs}
+        cont = {id(r): i for i, r in enumerate(tok_reqs)}
         batch = sampling_batch(sample, [int(id(r) in cont) for r in sample])
+        # penalties count that token's value too: added on the device from prev's tokens
+        if batch.pen_rows is not None:
+            pend = [j for j, r in enumerate(sample) if id(r) in cont]
+            batch.count_pending(pend, tokens.index_select(0, torch.tensor(
+                [cont[id(sample[j])] for j in pend], dtype=torch.long, device=tokens.device)))
     leading = tok_pos == list(range(len(tok_pos)))
     return Launched(out, sample, batch, seq), rows, tokens, None if leading else tok_pos
 

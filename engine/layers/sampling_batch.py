@@ -72,6 +72,7 @@ class SamplingBatch:
     ban_rows: torch.Tensor | None
     ban_tokens: torch.Tensor | None
     logprobs: list[int | None]  # per row: None or N (chosen + top-N)
+    pen_host: tuple[int, ...] = ()  # pen_rows on the host
 
     @property
     def num_rows(self) -> int:
@@ -85,9 +86,26 @@ class SamplingBatch:
 
     @property
     def step_dependent(self) -> bool:
-        """Whether the batch holds state of this step's output counts (seeded rows' noise, a
-        min_tokens ban still on): then the next step needs a new one."""
-        return bool(self.seeded) or self.ban_rows is not None
+        """Whether the batch holds state of the outputs so far (seeded rows' noise, a
+        min_tokens ban still on, penalty counts): then the next step needs a new one."""
+        return bool(self.seeded) or self.ban_rows is not None or self.pen_rows is not None
+
+    def count_pending(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """Count tokens the requests of these batch rows produced that are still on the device
+        (an overlapped step's, tokens[i] for rows[i]; from_requests counted them by number
+        through `ahead`) into the penalty state, on the device."""
+        if self.pen_rows is None:
+            return
+        where = {r: j for j, r in enumerate(self.pen_host)}
+        sel = [(i, where[r]) for i, r in enumerate(rows) if r in where]
+        if not sel:
+            return
+        dev = self.output_counts.device
+        src = torch.tensor([i for i, _ in sel], dtype=torch.long, device=dev)
+        pen = torch.tensor([j for _, j in sel], dtype=torch.long, device=dev)
+        tok = tokens.index_select(0, src)
+        self.output_counts.index_put_((pen, tok), torch.ones(len(sel), device=dev), accumulate=True)
+        self.seen_mask.index_put_((pen, tok), torch.ones(len(sel), dtype=torch.bool, device=dev))
 
     @staticmethod
     def from_requests(reqs: list[Request], vocab_size: int, device,
@@ -156,4 +174,4 @@ class SamplingBatch:
             pen_rows=pen_rows, repetition_penalty=rep, presence_penalty=pres,
             frequency_penalty=freq, seen_mask=seen, output_counts=counts,
             ban_rows=ban_rows, ban_tokens=ban_tokens,
-            logprobs=[p.logprobs for p in ps])
+            logprobs=[p.logprobs for p in ps], pen_host=tuple(pen))

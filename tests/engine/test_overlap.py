@@ -145,18 +145,26 @@ def test_arrival_and_preemption_match_synchronous():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(temperature=0.0, repetition_penalty=1.3),
-    dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3),
+    dict(temperature=0.0, repetition_penalty=5.0),
+    dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=2.0),
+    dict(temperature=0.3, top_k=3, presence_penalty=2.0, frequency_penalty=2.0),
 ])
-def test_requests_with_penalties_run_synchronously(kw):
-    """Penalties count the token values so far: a step after one that sampled such a request
-    is never launched blind, and the results equal the synchronous engine's."""
-    params = SamplingParams(max_tokens=8, ignore_eos=True, seed=3, **kw)
-    reqs = [("x", PROMPTS[1], params)]
-    want = _run(_engine(False), reqs)
+def test_requests_with_penalties_run_blind(kw):
+    """Penalties count the values of the tokens so far: the blind step's batch adds the one
+    still on the device to its counts on the device (SamplingBatch.count_pending), so the
+    steps run blind and the tokens equal the synchronous engine's (a greedy row beside, an
+    arrival with penalties mid-run)."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, seed=3, **kw)
+    reqs = [("x", [7, 7, 8, 9] * 5, params), ("y", PROMPTS[0], _greedy(12))]
+    events = {3: lambda e: e.add_request("z", [5, 6] * 9, params)}
+    want = _run(_engine(False), reqs, dict(events))
     eng = _engine(True)
-    got = _run(eng, reqs)
-    assert got == want and eng.num_overlapped_steps == 0
+    gaps = []
+    ev = {i: (lambda e, i=i: (events[i](e) if i in events else None,
+                              gaps.append(e.has_unfinished() and e._inflight is None)))
+          for i in range(40)}
+    got = _run(eng, reqs, ev)
+    assert got == want and not any(gaps)
     _no_leak(eng)
 
 
