@@ -1,5 +1,5 @@
-"""Overlapped decode ("async scheduling"): the next decode step is launched before the
-current step's tokens reach the host, so the host's work between two steps (reading the
+"""Overlapped decode ("async scheduling"): the next step is launched before the current
+step's tokens reach the host, so the host's work between two steps (reading the
 tokens, scheduler update, outputs, staging and launching the next step) runs while the GPU
 computes instead of leaving it idle.
 
@@ -10,26 +10,28 @@ computes instead of leaving it idle.
               outputs of S_k
     step k+1: (S_k+1 already in flight) launch S_k+2 ..., outputs of S_k+1
 
-A step may follow blindly (`plan_follow`) only when it would have been scheduled so: the
-previous step ran every running request and was itself launched overlapped (its sampled
-tokens stay on the device); no request needs state the unknown token changes (penalties,
-min_tokens bans, seeded sampling); and the cache has the blocks it needs (no
-preemption). Its running rows come from the scheduler's own running phase
-(`Scheduler.schedule_running`) on the state after the previous step: a decode row for each
-request that step sampled, the next chunk of each prompt it ran an earlier chunk of (decode
-rows behind such a chunk take their device tokens at their flat positions). Requests that the
-unseen token ends by length are left out of it. Waiting requests join it through the scheduler's own
-admission (`Scheduler.admit_waiting`: FIFO, token budget, free slots and blocks), so an
-arrival does not stop the overlap: the blind step is then a mixed step, the decode rows'
-input ids copied from the device and the prompts' from the host (a slot that a request ending
-by length frees is taken in the same step; its blocks come back once the step in flight is
-done, so a waiting request short of blocks may start a step later than without overlap);
-unless the head of the queue is a prefill-only request: then the engine waits and schedules
-normally. Logprobs are computed on the device with the tokens and read back with them. A request that stops on
-the token the host has not seen yet (eos, stop token, stop string, abort) has one wasted row
-in the step already launched; its output is dropped, and its blocks are freed only after
-that step completed (KVCacheManager.fence): a KV import from another process must not land
-in a block a running step still writes.
+A step may follow blindly (`plan_follow`) when the previous step ran every running request
+and was itself launched overlapped (its sampled tokens stay on the device), and the cache has
+the blocks the next one needs (no preemption). The blind step is built by the scheduler's own
+rules on the state after the previous step:
+- running rows (`Scheduler.schedule_running`): a decode row for each request that step
+  sampled (its input id copied from the device, at its flat position), the next chunk of
+  each prompt it ran an earlier chunk of; requests its unseen token ends by length are left
+  out;
+- waiting requests (`Scheduler.admit_waiting`: FIFO, token budget, free slots and blocks),
+  so an arrival does not stop the overlap; the full blocks of the step in flight are
+  registered in the prefix cache first, so an arrival sharing them hits them. A slot that a
+  request ending by length frees is taken in the same step; its blocks come back once the
+  step in flight is done, so a waiting request short of blocks may start a step later than
+  without overlap. A prefill-only request (KV pushed layer by layer) at the head of the queue
+  makes the engine wait and schedule normally;
+- sampling: seeds and min_tokens bans count the token still on the device, penalties add
+  its value to their counts on the device; logprobs are computed on the device with the
+  tokens and read back with them.
+A request that stops on the token the host has not seen yet (eos, stop token, stop string,
+abort) has one wasted row in the step already launched; its output is dropped, and its blocks
+are freed only after that step completed (KVCacheManager.fence): a KV import from another
+process must not land in a block a running step still writes.
 
 Seen on an H200 (bench/decode_loop.py): the host work between two decode steps is ~200 us per
 step at batch 1 (graph staging and launch ~90 us, sampler launch and readback, scheduler,
