@@ -10,14 +10,15 @@ computes instead of leaving it idle.
               outputs of S_k
     step k+1: (S_k+1 already in flight) launch S_k+2 ..., outputs of S_k+1
 
-A step may follow blindly (`plan_follow`) when the previous step ran every running request
-and was itself launched overlapped (its sampled tokens stay on the device), and the cache has
-the blocks the next one needs (no preemption). The blind step is built by the scheduler's own
+A step may follow blindly (`plan_follow`) when the previous step was itself launched
+overlapped (its sampled tokens stay on the device) and the cache has the blocks the next one
+needs (no preemption). The blind step is built by the scheduler's own
 rules on the state after the previous step:
 - running rows (`Scheduler.schedule_running`): a decode row for each request that step
   sampled (its input id copied from the device, at its flat position), the next chunk of
-  each prompt it ran an earlier chunk of; requests its unseen token ends by length are left
-  out;
+  each prompt it ran an earlier chunk of, and requests it did not run from their own state
+  (e.g. those the decode service adds with their prompt's KV in place:
+  Engine.add_prefilled); requests its unseen token ends by length are left out;
 - waiting requests (`Scheduler.admit_waiting`: FIFO, token budget, free slots and blocks),
   so an arrival does not stop the overlap; the full blocks of the step in flight are
   registered in the prefix cache first, so an arrival sharing them hits them. A slot that a
@@ -121,26 +122,33 @@ def blind_admissible(req: Request) -> bool:
 
 @dataclass
 class FollowPlan:
-    """What plan_follow found: each running request's row in the step in flight (`ahead`, by
-    id) and the projected tokens left to compute once that step is done (`remaining_of`:
-    its sampled token still unseen; 0 for a request that token ends by length)."""
+    """What plan_follow found: the running requests' rows in the step in flight (`ahead`, by
+    id) and the projected tokens each running request has left to compute once that step is
+    done (`remaining_of`: a sampled token still unseen counts 1, or 0 when it ends the request
+    by length; a request with no row in flight, e.g. one the decode service added with its
+    prompt's KV in place, counts its own)."""
     ahead: dict[int, ScheduledSeq]
     ends: set[int]
 
+    def tokens_ahead(self, req: Request) -> int:
+        a = self.ahead.get(id(req))
+        return a.num_tokens if a is not None else 0
+
     def remaining_of(self, req: Request) -> int:
-        a = self.ahead[id(req)]
-        if a.sample:
+        a = self.ahead.get(id(req))
+        if a is not None and a.sample:
             return 0 if id(req) in self.ends else 1  # prev's token is its next input
-        return req.num_tokens - req.num_computed_tokens - a.num_tokens  # the prompt's rest
+        return req.num_tokens - req.num_computed_tokens - (a.num_tokens if a is not None else 0)
 
 
 def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
     """Whether the step after `prev` may be launched before prev's tokens are known, i.e.
-    would be scheduled as `follow` builds it (see the module docstring), or None. prev must
-    have run every running request; its sampled rows continue as decode rows, its rows with an
-    earlier chunk of a prompt with their next chunk, both through the scheduler's own running
-    phase on the state after prev (Scheduler.schedule_running, first as a dry run here for the
-    blocks it needs). A request that prev's token ends by length (max_tokens, the model
+    would be scheduled as `follow` builds it (see the module docstring), or None. The running
+    requests go through the scheduler's own running phase on the state after prev
+    (Scheduler.schedule_running, first as a dry run here for the blocks it needs): prev's
+    sampled rows continue as decode rows, its rows with an earlier chunk of a prompt with
+    their next chunk, requests prev did not run (added since, or left out for budget) from
+    their own state. A request that prev's token ends by length (max_tokens, the model
     length) is left out: the scheduler would not run it again either."""
     # a waiting request the next schedule could admit (or fail) with a free sequence slot:
     # follow admits it too, unless it needs what a blind step cannot give (blind_admissible);
@@ -148,36 +156,35 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
     if (sched.waiting and len(sched.running) < sched.cfg.max_num_seqs
             and not blind_admissible(sched.waiting[0])):
         return None
-    rows = prev.sched.scheduled
-    if not prev.overlapped or len(sched.running) != len(rows) or any(
-            a is not s.req for a, s in zip(sched.running, rows)):
-        return None  # prev did not run every running request (or something changed since)
+    if not prev.overlapped or not sched.running:
+        return None
     ends: set[int] = set()
-    for s in rows:
+    for s in prev.sched.scheduled:
         r = s.req
-        if r.finished or r.prefill_only:
+        if r.prefill_only:
             return None
-        if not s.sample:
-            continue
+        if r.finished or not s.sample:
+            continue  # (a request that ended since is no longer running)
         p = r.params
         n_out = len(r.output_token_ids)  # prev's token not yet among them
         if n_out + 1 >= p.max_tokens or r.num_tokens + 1 >= sched.max_len:
             ends.add(id(r))  # prev's token ends it (scheduler._check_stop's length rule)
-    if len(ends) == len(rows):
+    if all(id(r) in ends for r in sched.running):
         return None  # nothing left to continue: the scheduler decides
-    plan = FollowPlan({id(s.req): s for s in rows}, ends)
+    plan = FollowPlan({id(s.req): s for s in prev.sched.scheduled}, ends)
     kv = sched.kv
     need = 0
-    if all(s.sample for s in rows) and len(rows) <= sched.cfg.max_num_batched_tokens:
+    left = [(r, plan.remaining_of(r)) for r in sched.running]
+    if all(n <= 1 for _, n in left) and len(left) <= sched.cfg.max_num_batched_tokens:
         # decode rows only: the running phase gives each request not ending one token
-        for s in rows:
-            if id(s.req) not in ends:
-                need += max(0, kv.blocks_needed(s.req, s.num_tokens + 1))
+        for r, n in left:
+            if n:
+                need += max(0, kv.blocks_needed(r, plan.tokens_ahead(r) + 1))
         return plan if need <= kv.num_free_blocks else None
 
     def count(req: Request, n: int) -> bool:
         nonlocal need
-        need += max(0, kv.blocks_needed(req, plan.ahead[id(req)].num_tokens + n))
+        need += max(0, kv.blocks_needed(req, plan.tokens_ahead(req) + n))
         return True
 
     dry = SchedulerOutput()
@@ -206,7 +213,7 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
     kv = sched.kv
 
     def allocate(req: Request, n: int) -> bool:
-        if not kv.allocate(req, plan.ahead[id(req)].num_tokens + n):
+        if not kv.allocate(req, plan.tokens_ahead(req) + n):
             raise RuntimeError(f"overlapped step: no block for request {req.request_id!r}")
         return True
 
@@ -215,13 +222,13 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
     rows, tok_reqs, tok_pos, flat = [], [], [], 0
     for s in out.scheduled:
         r = s.req
-        a = plan.ahead[id(r)]
-        start = r.num_computed_tokens + a.num_tokens
-        if a.sample:  # a decode row: its input is prev's token, still on the device
+        a = plan.ahead.get(id(r))
+        start = r.num_computed_tokens + plan.tokens_ahead(r)
+        if a is not None and a.sample:  # a decode row: its input is prev's token, on the device
             rows.append(StepInput(r.request_id, [0], start, kv.block_ids(r.request_id), True))
             tok_reqs.append(r)
             tok_pos.append(flat)
-        else:  # the next chunk of a prompt
+        else:  # a prompt's next chunk, or a request prev did not run: tokens from the host
             rows.append(StepInput(r.request_id, r.all_token_ids[start:start + s.num_tokens], start,
                                   kv.block_ids(r.request_id), s.sample))
         flat += len(rows[-1].token_ids)
@@ -233,9 +240,9 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         if kv.enable_prefix_caching:
             # the blocks this step completes; a decode row's would hold prev's unseen token
             for s in out.scheduled:
-                a = plan.ahead[id(s.req)]
-                if not a.sample:
-                    pending.update(kv.pending_hashes(s.req, a.num_tokens + s.num_tokens))
+                a = plan.ahead.get(id(s.req))
+                if a is None or not a.sample:
+                    pending.update(kv.pending_hashes(s.req, plan.tokens_ahead(s.req) + s.num_tokens))
         sched.admit_waiting(out, budget, pending, blind_admissible)
         for s in out.scheduled[n_run:]:
             r = s.req

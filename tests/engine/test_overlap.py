@@ -591,3 +591,45 @@ def test_a_min_tokens_ban_ends_on_the_right_token_blind():
     assert got == want and got[0]["x"] == base[:7] and got[1]["x"] == "stop"
     assert eng.num_overlapped_steps > 5
     _no_leak(eng)
+
+
+def test_requests_joining_with_their_kv_keep_the_overlap():
+    """The decode side of disaggregated serving: a request joins the running ones with its
+    prompt's KV imported into reserved blocks (Engine.add_prefilled) while steps are in
+    flight: the next blind step takes it as a decode row with its first token from the host,
+    no step waits, and the tokens equal the synchronous decode engine's."""
+    params = _greedy(10)
+
+    def prefilled(pre, dec, rid, prompt):
+        dec.reserve(rid, len(prompt))
+        pre.add_request(rid, prompt, params, prefill_only=True)
+        first = None
+        while pre.has_unfinished():
+            for o in pre.step():
+                first = o.new_token_ids[0]
+        kv = pre.export_kv(rid)
+        pre.release(rid)
+        dec.import_kv(rid, kv)
+        assert dec.add_prefilled(rid, prompt, first, params) is None
+        return first
+
+    def run(overlap):
+        pre, dec = _engine(False), _engine(overlap)
+        toks, gaps = {}, []
+        toks["d0"] = [prefilled(pre, dec, "d0", PROMPTS[1])]
+        for i in range(40):
+            if not dec.has_unfinished():
+                break
+            for o in dec.step():
+                toks[o.request_id] += o.new_token_ids
+            if i in (1, 4, 5):
+                rid = f"d{i}"
+                toks[rid] = [prefilled(pre, dec, rid, PROMPTS[i % 4])]
+            gaps.append(dec.has_unfinished() and dec._inflight is None)
+        return toks, gaps, dec
+
+    want, _, _ = run(False)
+    got, gaps, dec = run(True)
+    assert got == want and all(len(t) == 10 for t in got.values()) and len(got) == 4
+    assert not any(gaps) and dec.num_overlapped_steps > 10
+    _no_leak(dec)
