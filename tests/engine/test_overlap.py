@@ -48,6 +48,21 @@ def _run(eng: Engine, reqs, events=None, max_steps: int = 500):
     return toks, reasons, n_out
 
 
+def _same_and_never_waits(reqs, events, **kw):
+    """Overlapped vs synchronous engine on the same requests and arrival events: the same
+    tokens and reasons, no step after the first waiting for the one before, nothing leaked."""
+    want = _run(_engine(False, **kw), reqs, dict(events))
+    eng = _engine(True, **kw)
+    gaps = []
+    ev = {i: (lambda e, i=i: (events[i](e) if i in events else None,
+                              gaps.append(e.has_unfinished() and e._inflight is None)))
+          for i in range(200)}
+    got = _run(eng, reqs, ev)
+    assert got == want and not any(gaps)
+    _no_leak(eng)
+    return eng
+
+
 def _no_leak(eng: Engine):
     kv = eng.kv
     assert kv.fence == 0 and kv.num_deferred_blocks == 0
@@ -157,15 +172,7 @@ def test_requests_with_penalties_run_blind(kw):
     params = SamplingParams(max_tokens=12, ignore_eos=True, seed=3, **kw)
     reqs = [("x", [7, 7, 8, 9] * 5, params), ("y", PROMPTS[0], _greedy(12))]
     events = {3: lambda e: e.add_request("z", [5, 6] * 9, params)}
-    want = _run(_engine(False), reqs, dict(events))
-    eng = _engine(True)
-    gaps = []
-    ev = {i: (lambda e, i=i: (events[i](e) if i in events else None,
-                              gaps.append(e.has_unfinished() and e._inflight is None)))
-          for i in range(40)}
-    got = _run(eng, reqs, ev)
-    assert got == want and not any(gaps)
-    _no_leak(eng)
+    _same_and_never_waits(reqs, events)
 
 
 @pytest.mark.parametrize("kw", [
@@ -182,15 +189,7 @@ def test_seeds_and_min_tokens_run_blind(kw):
     params = SamplingParams(max_tokens=10, ignore_eos=True, **{"temperature": 0.0, **kw})
     reqs = [("x", PROMPTS[1], params), ("y", PROMPTS[0], _greedy(10))]
     events = {3: lambda e: e.add_request("z", PROMPTS[2], params)}
-    want = _run(_engine(False), reqs, dict(events))
-    eng = _engine(True)
-    gaps = []
-    ev = {i: (lambda e, i=i: (events[i](e) if i in events else None,
-                              gaps.append(e.has_unfinished() and e._inflight is None)))
-          for i in range(40)}
-    got = _run(eng, reqs, ev)
-    assert got == want and not any(gaps)
-    _no_leak(eng)
+    _same_and_never_waits(reqs, events)
 
 
 def test_unseeded_sampling_overlaps():
@@ -333,13 +332,7 @@ def test_a_length_end_with_a_queue_hands_its_slot_over_blind():
     ending request out and admits the waiting one in its place, as the next schedule would;
     no step after the first waits, and the tokens equal the synchronous engine's."""
     reqs = [("a", PROMPTS[0], _greedy(4)), ("b", PROMPTS[1], _greedy(12)), ("c", PROMPTS[2], _greedy(6))]
-    want = _run(_engine(False, max_num_seqs=2), reqs)
-    eng = _engine(True, max_num_seqs=2)
-    gaps = []
-    got = _run(eng, reqs, {i: (lambda e: gaps.append(e.has_unfinished() and e._inflight is None))
-                           for i in range(40)})
-    assert got == want and not any(gaps)
-    _no_leak(eng)
+    _same_and_never_waits(reqs, {}, max_num_seqs=2)
 
 
 def test_arrivals_with_a_free_slot_keep_the_overlap():
@@ -546,14 +539,8 @@ def test_a_long_prompt_alone_runs_its_chunks_blind():
     yet each next chunk is launched before the one in flight ends (no token to wait for);
     the same tokens as the synchronous engine, and no step after the first waits."""
     reqs = [("long", list(range(200, 290)), _greedy(6))]
-    want = _run(_engine(False, max_num_batched_tokens=24), reqs)
-    eng = _engine(True, max_num_batched_tokens=24)
-    gaps = []
-    got = _run(eng, reqs, {i: (lambda e: gaps.append(e.has_unfinished() and e._inflight is None))
-                           for i in range(40)})
-    assert got == want and not any(gaps)
-    assert eng.num_overlapped_steps == len(gaps) - 1  # every step but the first launched ahead
-    _no_leak(eng)
+    eng = _same_and_never_waits(reqs, {}, max_num_batched_tokens=24)
+    assert eng.num_overlapped_steps == eng.num_steps - 1  # every step but the first launched ahead
 
 
 @pytest.mark.parametrize("num_blocks", [4, 5, 64])

@@ -39,3 +39,13 @@ class Client:
             toks += list(m.token_ids)
             msgs.append(m)
         return toks, msgs
+
+
+async def take_tokens(call, n: int) -> int:
+    """Read a Decode stream until it has delivered at least n tokens (or ended); -> count."""
+    got = 0
+    async for m in call:
+        got += len(m.token_ids)
+        if got >= n:
+            break
+    return got

@@ -1,6 +1,7 @@
 """Start the real prefill / decode service processes for tests (free loopback ports)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -73,3 +74,17 @@ def wait_ready(launch, timeout_s: float = 60.0) -> Proc:
 
 def start(module: str, extra: list[str] = (), timeout_s: float = 60.0) -> Proc:
     return wait_ready(spawn(module, extra), timeout_s)
+
+
+@contextlib.contextmanager
+def service_pair(prefill_extra: list[str] = (), decode_extra: list[str] = ()):
+    """A prefill and a decode service booted in parallel; -> (prefill Proc, decode Proc);
+    both stopped on exit."""
+    launches = [spawn("prefill_svc", prefill_extra), spawn("decode_svc", decode_extra)]
+    try:
+        yield tuple(wait_ready(ln) for ln in launches)
+    finally:
+        for _m, p, _r, _l in launches:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)

@@ -19,7 +19,7 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from tests.services import procs
-from tests.services.client import Client
+from tests.services.client import Client, take_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -29,25 +29,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def services():
-    launches = [procs.spawn("prefill_svc"), procs.spawn("decode_svc", ["--reservation-timeout-s", "20"])]
-    started = []
-    try:
-        for ln in launches:  # both boot in parallel
-            started.append(procs.wait_ready(ln))
-        yield started[0], started[1]
-    finally:
-        for _m, p, _r, _l in launches:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(10)
-
-
-@pytest.fixture
-async def client(services):
-    pre, dec = services
-    c = Client(pre.address, dec.address)
-    yield c
-    await c.close()
+    with procs.service_pair(decode_extra=["--reservation-timeout-s", "20"]) as pair:
+        yield pair
 
 
 _ENGINE = {}
@@ -105,11 +88,7 @@ async def test_greedy_equals_colocated_engine(client):
 async def test_cancel_mid_stream_frees_blocks_on_both(client):
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     _, _, call = await client.start("cancel-me", PROMPTS[1], params)
-    n = 0
-    async for m in call:
-        n += len(m.token_ids)
-        if n >= 3:
-            break
+    assert await take_tokens(call, 3) >= 3
     _, dl = await _load(client)
     assert dl.kv_usage > 0
     call.cancel()

@@ -15,7 +15,7 @@ from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from tests.services import procs
-from tests.services.client import Client
+from tests.services.client import take_tokens
 from tests.services.test_disagg_e2e import _wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -27,26 +27,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def services():
     on = ["--async-scheduling", "on"]
-    launches = [procs.spawn("prefill_svc", on),
-                procs.spawn("decode_svc", [*on, "--reservation-timeout-s", "20"])]
-    started = []
-    try:
-        for ln in launches:
-            started.append(procs.wait_ready(ln))
-        yield started[0], started[1]
-    finally:
-        for _m, p, _r, _l in launches:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(10)
-
-
-@pytest.fixture
-async def client(services):
-    pre, dec = services
-    c = Client(pre.address, dec.address)
-    yield c
-    await c.close()
+    with procs.service_pair(on, [*on, "--reservation-timeout-s", "20"]) as pair:
+        yield pair
 
 
 def _metric(port: int, name: str) -> float:
@@ -85,11 +67,7 @@ async def test_cancel_mid_stream_with_steps_in_flight(client):
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     keep = asyncio.ensure_future(client.generate("stay", PROMPTS[1], GREEDY))
     _, _, call = await client.start("gone", PROMPTS[2], params)
-    n = 0
-    async for m in call:
-        n += len(m.token_ids)
-        if n >= 5:
-            break
+    assert await take_tokens(call, 5) >= 5
     call.cancel()
     toks, _ = await keep
     assert len(toks) == GREEDY.max_tokens
