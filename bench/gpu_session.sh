@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
-# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|engine|sweep|candidate|variants|profile|ab|services ...]
+# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|overlap|engine|sweep|candidate|variants|profile|ab|services ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -18,6 +18,11 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for s in $steps; do
   t0=$(date +%s)
   case $s in
+    overlap)  # the overlapped engine on the GPU: its tests, then the serving loop with arrivals
+      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_engine.py -k overlap 2>&1 \
+        | tee "$OUT/gpu_overlap.log" | tail -6
+      timeout 300 python3 -m bench.decode_loop --arrivals ${LOOP_ARGS:-} 2>&1 | tee "$OUT/decode_loop.log" \
+        | grep -v "splitserve\." | tail -8 ;;
     gtests)
       timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_gtests.log" | tail -8 ;;
     ktests)
