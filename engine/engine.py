@@ -92,6 +92,7 @@ class Engine:
         self._readback = TokenReadback(cfg.scheduler.max_num_seqs, torch.device(device))
         self._inflight: Launched | None = None
         self._seq = 0
+        self._last_done = 0.0  # when the last step's tokens were seen on the host
         self.num_overlapped_steps = 0
         log.info("engine ready: model=%s device=%s dtype=%s attention=%s blocks=%d load=%.1fs",
                  self.model_name, device, str(dtype).removeprefix("torch."), self.attn_backend.name,
@@ -217,7 +218,10 @@ class Engine:
         """Wait for a launched step's tokens; update the scheduler; its outputs."""
         out = launched.result()
         if launched.overlapped:
-            self.runner.record_step_time(launched.t0)
+            # launched while the step before it still ran: it starts when that one ended.
+            # (launch-to-done would count both, and the gateway's admission reads these as
+            # the time per token: Load's mean_step_ms)
+            self.runner.record_step_time(max(launched.t0, self._last_done))
             # every step up to this one has completed on the device
             self.kv.release_deferred(launched.seq)
             if self._inflight is None:
@@ -236,6 +240,7 @@ class Engine:
                     r.output_logprobs.append(lp)
                 if r.first_token_time is None:
                     r.first_token_time = time.monotonic()
+        self._last_done = time.perf_counter()
         finished = {r.request_id for r in self.scheduler.update(launched.sched, sampled)}
         self.num_steps += 1
         self.num_generated += len(sampled)

@@ -620,3 +620,28 @@ def test_requests_joining_with_their_kv_keep_the_overlap():
     assert got == want and all(len(t) == 10 for t in got.values()) and len(got) == 4
     assert not any(gaps) and dec.num_overlapped_steps > 10
     _no_leak(dec)
+
+
+def test_recorded_step_times_are_the_step_cadence():
+    """An overlapped step is launched while the one before it still runs; its recorded time
+    (Engine.stats' recent_step_ms, the decode service's Load mean_step_ms that the gateway's
+    admission reads as the time per token) starts when that one ended, so it matches the
+    wall time per step instead of counting two steps."""
+    import statistics
+    import time
+
+    eng = _engine(True)
+    for i in range(4):
+        eng.add_request(f"r{i}", [1 + i] * 20, _greedy(80))
+    eng.step()
+    eng.step()
+    eng.runner.step_times.clear()
+    t = time.perf_counter()
+    for _ in range(50):
+        eng.step()
+    wall = (time.perf_counter() - t) / 50
+    rec = statistics.median(eng.runner.step_times)
+    assert 0.5 * wall < rec < 1.5 * wall, (rec, wall)  # launch-to-done gave ~2x
+    while eng.has_unfinished():
+        eng.step()
+    _no_leak(eng)
