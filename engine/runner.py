@@ -246,24 +246,16 @@ class ModelRunner:
         token_src: the input ids of the decode rows that continue the previous step, as a
         device tensor (its sampled tokens, not yet on the host: engine/overlap.py); token_pos:
         their flat positions among the step's input ids (None: the leading ones)."""
-        if not all(len(r.token_ids) == 1 and r.sample for r in rows):
-            # prompt chunks (beside decode rows): a prefill graph, or None: eager
-            logits = self._replay(rows, token_src, token_pos)
-            if logits is None:
-                logits = self._eager_logits(rows, token_src, token_pos)
-            if sampling is None:  # earlier chunks of prompts only: nothing to sample
-                return torch.empty(0, dtype=torch.long, device=self.device), None
-            tokens = self.sampler.tokens(logits, sampling)
+        logits = self._replay(rows, token_src, token_pos)
+        decode_graph = logits is not None and self.graphs is not None and self._decode_rows(rows)
+        if logits is None:
+            logits = self._eager_logits(rows, token_src, token_pos)
+        if sampling is None:  # earlier chunks of prompts only: nothing to sample
+            return torch.empty(0, dtype=torch.long, device=self.device), None
+        if decode_graph and sampling.greedy_only:
+            tokens = self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
         else:
-            logits = (self.graphs.run_rows(rows, token_src, token_pos)
-                      if self.graphs is not None else None)
-            if logits is None:
-                logits = self._eager_logits(rows, token_src, token_pos)
-                tokens = self.sampler.tokens(logits, sampling)
-            elif sampling.greedy_only:
-                tokens = self.graphs.greedy_tokens(len(rows))  # the graph's own argmax
-            else:
-                tokens = self.sampler.tokens(logits, sampling)
+            tokens = self.sampler.tokens(logits, sampling)
         # NOTE: enqueued before anything else can replay over these logits
         return tokens, self.sampler.logprobs_device(logits, tokens, sampling)
 
@@ -271,11 +263,16 @@ class ModelRunner:
                 token_pos: list[int] | None = None) -> torch.Tensor | None:
         """Logits of the sampled rows from a graph replay, or None: run eager.
         token_src / token_pos: device input ids of decode rows (launch_overlapped)."""
-        if self.graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in rows):
+        if self.graphs is not None and self._decode_rows(rows):
             return self.graphs.run_rows(rows, token_src, token_pos)
         if self.prefill_graphs is not None:
             return self.prefill_graphs.run(rows, token_src, token_pos)
         return None
+
+    @staticmethod
+    def _decode_rows(rows: list[StepInput]) -> bool:
+        """Every row one token and sampled: a decode graph's batch."""
+        return all(len(r.token_ids) == 1 and r.sample for r in rows)
 
     def _eager_logits(self, rows: list[StepInput], token_src: torch.Tensor | None = None,
                       token_pos: list[int] | None = None) -> torch.Tensor | None:
