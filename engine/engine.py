@@ -185,11 +185,10 @@ class Engine:
         batch = self.runner.sampling_batch(sample_reqs) if sample_reqs else None
         launched = Launched(sched, sample_reqs, batch, self._next_seq())
         # the sampled tokens stay on the device so the next step may follow before they reach
-        # the host (can_overlap: no layer streaming, no host-side sampling state; rows with an
-        # earlier chunk of a prompt sample nothing, and a step of such chunks only samples
-        # nothing at all: the next chunk may still be launched before it ends)
-        if (self.overlap and (not sample_reqs or can_overlap(sample_reqs, batch))
-                and not any(s.req.prefill_only for s in sched.scheduled)):
+        # the host (can_overlap: no layer streaming; rows with an earlier chunk of a prompt
+        # sample nothing, and a step of such chunks only samples nothing at all: the next chunk
+        # may still be launched before it ends)
+        if self.overlap and can_overlap(sched):
             self._launch_overlapped(launched, rows)
             return launched
         streamed = [(s.req.request_id, rows[i].block_ids, s.req.num_prompt_tokens)

@@ -107,17 +107,16 @@ class TokenReadback:
             launched.event.record()
 
 
-def can_overlap(sample_reqs: list[Request], batch: SamplingBatch | None) -> bool:
-    """Whether a step sampling these requests may run overlapped (its tokens, and logprobs
-    where asked, read back later; no layer-by-layer KV push of a prefill-only request): the
-    sampler needs nothing from the host after launch."""
-    return batch is not None and all(not r.prefill_only for r in sample_reqs)
-
-
 def blind_admissible(req: Request) -> bool:
-    """Whether a waiting request may be admitted into a step launched blind: not one whose
-    KV is pushed layer by layer (prefill-only requests of a disaggregated prefill service)."""
+    """Whether a request may be in a step run overlapped (its tokens and logprobs read back
+    later, or launched before the previous step's tokens are known): not one whose KV is pushed
+    layer by layer during the step (prefill-only requests of a disaggregated prefill service)."""
     return not req.prefill_only
+
+
+def can_overlap(sched: SchedulerOutput) -> bool:
+    """Whether a scheduled step may run overlapped: every request in it is blind_admissible."""
+    return all(blind_admissible(s.req) for s in sched.scheduled)
 
 
 @dataclass
@@ -156,13 +155,12 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
     if (sched.waiting and len(sched.running) < sched.cfg.max_num_seqs
             and not blind_admissible(sched.waiting[0])):
         return None
-    if not prev.overlapped or not sched.running:
+    # the running phase may take any running request, also ones prev did not run
+    if not prev.overlapped or not sched.running or not all(map(blind_admissible, sched.running)):
         return None
     ends: set[int] = set()
     for s in prev.sched.scheduled:
         r = s.req
-        if r.prefill_only:
-            return None
         if r.finished or not s.sample:
             continue  # (a request that ended since is no longer running)
         p = r.params
@@ -174,19 +172,19 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
     plan = FollowPlan({id(s.req): s for s in prev.sched.scheduled}, ends)
     kv = sched.kv
     need = 0
-    left = [(r, plan.remaining_of(r)) for r in sched.running]
-    if all(n <= 1 for _, n in left) and len(left) <= sched.cfg.max_num_batched_tokens:
-        # decode rows only: the running phase gives each request not ending one token
-        for r, n in left:
-            if n:
-                need += max(0, kv.blocks_needed(r, plan.tokens_ahead(r) + 1))
-        return plan if need <= kv.num_free_blocks else None
 
     def count(req: Request, n: int) -> bool:
         nonlocal need
         need += max(0, kv.blocks_needed(req, plan.tokens_ahead(req) + n))
         return True
 
+    left = [(r, plan.remaining_of(r)) for r in sched.running]
+    if all(n <= 1 for _, n in left) and len(left) <= sched.cfg.max_num_batched_tokens:
+        # decode rows only: the running phase gives each request not ending one token
+        for r, n in left:
+            if n:
+                count(r, 1)
+        return plan if need <= kv.num_free_blocks else None
     dry = SchedulerOutput()
     sched.schedule_running(dry, sched.cfg.max_num_batched_tokens, plan.remaining_of, count)
     if not dry.scheduled or need > kv.num_free_blocks:
@@ -262,12 +260,9 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         batch = prev.batch
     else:  # the rows continuing prev have one more token than their requests show
         cont = {id(r): i for i, r in enumerate(tok_reqs)}
-        batch = sampling_batch(sample, [int(id(r) in cont) for r in sample])
-        # penalties count that token's value too: added on the device from prev's tokens
-        if batch.pen_rows is not None:
-            pend = [j for j, r in enumerate(sample) if id(r) in cont]
-            batch.count_pending(pend, tokens.index_select(0, torch.tensor(
-                [cont[id(sample[j])] for j in pend], dtype=torch.long, device=tokens.device)))
+        src = [cont.get(id(r)) for r in sample]  # each sampled row's token in `tokens`
+        batch = sampling_batch(sample, [int(i is not None) for i in src])
+        batch.count_pending(src, tokens)  # penalties count that token's value too
     leading = tok_pos == list(range(len(tok_pos)))
     return Launched(out, sample, batch, seq), rows, tokens, None if leading else tok_pos
 

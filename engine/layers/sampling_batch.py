@@ -90,20 +90,19 @@ class SamplingBatch:
         min_tokens ban still on, penalty counts): then the next step needs a new one."""
         return bool(self.seeded) or self.ban_rows is not None or self.pen_rows is not None
 
-    def count_pending(self, rows: list[int], tokens: torch.Tensor) -> None:
-        """Count tokens the requests of these batch rows produced that are still on the device
-        (an overlapped step's, tokens[i] for rows[i]; from_requests counted them by number
-        through `ahead`) into the penalty state, on the device."""
+    def count_pending(self, src: list[int | None], tokens: torch.Tensor) -> None:
+        """Count tokens the rows' requests produced that are still on the device (an
+        overlapped step's: row i's is tokens[src[i]], none where src[i] is None;
+        from_requests counted them by number through `ahead`) into the penalty state, on the
+        device."""
         if self.pen_rows is None:
             return
-        where = {r: j for j, r in enumerate(self.pen_host)}
-        sel = [(i, where[r]) for i, r in enumerate(rows) if r in where]
+        sel = [(src[r], j) for j, r in enumerate(self.pen_host) if src[r] is not None]
         if not sel:
             return
         dev = self.output_counts.device
-        src = torch.tensor([i for i, _ in sel], dtype=torch.long, device=dev)
+        tok = tokens.index_select(0, torch.tensor([i for i, _ in sel], dtype=torch.long, device=dev))
         pen = torch.tensor([j for _, j in sel], dtype=torch.long, device=dev)
-        tok = tokens.index_select(0, src)
         self.output_counts.index_put_((pen, tok), torch.ones(len(sel), device=dev), accumulate=True)
         self.seen_mask.index_put_((pen, tok), torch.ones(len(sel), dtype=torch.bool, device=dev))
 
