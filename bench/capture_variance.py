@@ -16,17 +16,15 @@ import statistics
 import torch
 
 from bench.common import print_table, write_result
-from bench.engine_gpu_steps import decode_inputs, make_engine
+from bench.engine_gpu_steps import decode_inputs, make_engine, rows_of
 from bench.timing import cuda_time_ms
-from engine.runner import StepInput
 
 
 @torch.inference_mode()
 def run(shape: str, batch: int, ctx: int, captures: int, rounds: int) -> list[dict]:
     eng = make_engine(shape, batch, ctx + 1, eager=False, prefill_graphs=False)
     ids, _, meta = decode_inputs(eng, batch, ctx)
-    bt = meta.block_tables.tolist()
-    rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
+    rows = rows_of(ids, meta, ctx)
     kept = []
     for i in range(captures):
         if i:

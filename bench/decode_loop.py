@@ -30,9 +30,8 @@ import time
 import torch
 
 from bench.common import print_table, write_result
-from bench.engine_gpu_steps import decode_inputs, make_engine
+from bench.engine_gpu_steps import decode_inputs, make_engine, rows_of
 from bench.timing import cuda_time_ms
-from engine.runner import StepInput
 from engine.sampling_params import SamplingParams
 
 
@@ -51,8 +50,7 @@ def _graph_rows(eng, batch: int, ctx: int) -> dict:
     r = eng.runner
     g = r.graphs
     ids, _, meta = decode_inputs(eng, batch, ctx)
-    bt = meta.block_tables.tolist()
-    rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
+    rows = rows_of(ids, meta, ctx)
     for _ in range(30):
         g.run_rows(rows)
     out = {"run_rows_ms": cuda_time_ms(lambda: g.run_rows(rows), iters=50)}

@@ -59,6 +59,12 @@ def decode_inputs(eng: Engine, batch: int, ctx: int):
     return ids, pos, meta
 
 
+def rows_of(ids: torch.Tensor, meta: AttentionMetadata, ctx: int) -> list[StepInput]:
+    """decode_inputs' batch as runner rows (what the serving path stages for a graph)."""
+    bt = meta.block_tables.tolist()
+    return [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
+
+
 @torch.inference_mode()
 def time_decode(eng: Engine, batch: int, ctx: int, eager: bool = True) -> dict:
     ids, pos, meta = decode_inputs(eng, batch, ctx)
@@ -66,8 +72,7 @@ def time_decode(eng: Engine, batch: int, ctx: int, eager: bool = True) -> dict:
     res = {}
     if r.graphs is not None:
         # the serving path: runner rows staged on the host, one upload, replay
-        bt = meta.block_tables.tolist()
-        rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
+        rows = rows_of(ids, meta, ctx)
         for _ in range(30):  # settle clocks before the first timed case
             r.graphs.run_rows(rows)
         res["graph_ms"] = cuda_time_ms(lambda: r.graphs.run_rows(rows), iters=50)

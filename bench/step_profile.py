@@ -35,12 +35,11 @@ from collections import defaultdict
 import torch
 
 from bench.common import parse_attrs, print_table, write_result
-from bench.engine_gpu_steps import decode_inputs, make_engine
+from bench.engine_gpu_steps import decode_inputs, make_engine, rows_of
 from bench.kernel_resources import COLUMNS as RES_COLUMNS
 from bench.kernel_resources import compiled_rows
 from bench.timing import cuda_time_ms
 from engine.kernels import trace
-from engine.runner import StepInput
 
 KINDS = (("skinny", "matmul (fused skinny)"), ("gemm", "matmul (cuBLAS)"), ("nvjet", "matmul (cuBLAS)"),
          ("cutlass", "matmul (cuBLAS)"), ("decode_split", "attention"), ("decode_reduce", "attention"),
@@ -113,8 +112,7 @@ def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool 
         trace.ENABLED = False
     r = eng.runner
     ids, _, meta = decode_inputs(eng, batch, ctx)
-    bt = meta.block_tables.tolist()
-    rows = [StepInput(f"b{i}", [int(t)], ctx, bt[i], True) for i, t in enumerate(ids.tolist())]
+    rows = rows_of(ids, meta, ctx)
     wall_ms = cuda_time_ms(lambda: r.graphs.run_rows(rows), iters=50)  # (also the warm-up)
     case = f"{shape} b={batch} ctx={ctx}" + (" fused" if fused else "")
     try:
