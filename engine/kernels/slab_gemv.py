@@ -35,6 +35,16 @@ ops and the 8B qkv and down win (1B step -7.5%, 8B -6.3%), but the 8B gate_up wi
 fused makes the step 7-8% slower (2-4 rows a step, 2-3 programs per SM: +19-23%), and with
 the norm as its own kernel it is neutral; so the tuned table, not this kernel, decides where
 it runs, from whole-step A/Bs.
+
+Dynamic slabs, tried and dropped (2026-12-03, decode_ab-20261203T212405, 8B batch 1, medians
+of 5): a share of the rows split statically (0.75) and the rest handed out a step at a time
+from a gpu-scope atomic counter (reset by the last program), to even out the slabs' ends.
+Every program then waits for the counter's round trip before it can request its next rows,
+and the variant needs more registers (fewer programs fit): qkv and down dynamic +4.8% /
++4.6% (ctx 1024 / 4096), with the gate_up slab too +5.9%; the static gate_up slab alone
+(4 programs per SM asked, 2 fit) +1.3% / +1.3% in the same run, though in-kernel stamps put
+it at 56 us against the tile's 61 (step_profile-20261203T212308): traced steps are no guide
+to this op's whole-step cost.
 """
 from __future__ import annotations
 

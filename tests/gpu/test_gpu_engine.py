@@ -226,11 +226,14 @@ def test_overlapped_prompt_chunks_on_the_gpu(hf_dir):
     """A long prompt prefilled in chunks of 64 tokens while short requests that arrived after
     it decode: each chunk runs in a blind step (prefill graphs fed the decode rows' tokens on
     the device at their flat positions, behind the chunk); every request gets all its tokens,
-    which agree with the synchronous engine's (same schedule: most tokens, bf16 rounding
-    aside)."""
+    equal to the synchronous engine's. fp32: with overlap the arrivals join one model step
+    later (the step in flight was launched before they came), beside another chunk, and in
+    bf16 a batch's rounding depends on what runs beside it (H200, 2026-12-03: 53 of 72 tokens
+    equal in bf16, sync and overlapped alike in eager and graphs; all 72 in fp32:
+    bench/results/overlap_chunks_diag-20261203T2122.log)."""
     path, _ = hf_dir
     eng = Engine(EngineConfig(
-        model=ModelConfig(model=path, dtype="bf16", max_model_len=2048),
+        model=ModelConfig(model=path, dtype="fp32", max_model_len=2048),
         cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96,
                                   long_prefill_token_threshold=64),
@@ -265,6 +268,5 @@ def test_overlapped_prompt_chunks_on_the_gpu(hf_dir):
     want, _ = run(False)
     got, behind = run(True)
     assert [len(t) for t in got] == [24] * 3 and behind > 0
-    agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
-    assert agree >= 0.9 * 72, (want, got)
+    assert got == want
     assert eng.kv.fence == 0 and eng.kv.num_deferred_blocks == 0
