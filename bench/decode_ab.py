@@ -59,6 +59,7 @@ import torch
 
 import engine.kernels.decode_attention as da
 import engine.kernels.decode_tiles as dt
+import engine.kernels.trace as trace
 from bench.common import parse_attrs, print_table, write_result
 from bench.engine_gpu_steps import make_engine, time_decode
 from bench.timing import copy_bandwidth_gbs, graph_time_ms
@@ -273,6 +274,8 @@ def _ab(shape: str, name: str, cases, set_a, set_b, reps: int) -> list[dict]:
         for _ in range(reps):
             for side, setter in (("A", set_a), ("B", set_b)):
                 setter(eng)
+                if trace.ENABLED:  # a switch may trace (timing what stamps cost): fresh arena slices
+                    trace.reset()
                 eng.runner.maybe_capture_graphs(eng.max_model_len, eng.runner.model.attn_backend.name)
                 for b, c in cases:
                     td = time_decode(eng, b, c, eager=False)
