@@ -206,8 +206,6 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
     written before this step runs), so an admitted prompt hits them as it would after prev's
     update; a request that prev's unseen token stops (eos, stop token) still holds its slot and
     blocks here, so a waiting request may be admitted one step later than without overlap."""
-    from engine.runner import StepInput
-
     kv = sched.kv
 
     def allocate(req: Request, n: int) -> bool:

@@ -1,4 +1,4 @@
-"""The engine's request state object.
+"""The engine's request state object, and what a step returns for one request.
 
 Lifecycle (see engine.scheduler): WAITING -> RUNNING -> FINISHED_*; a preempted
 request goes back to WAITING with its computed tokens dropped (recompute).
@@ -63,3 +63,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list = field(default_factory=list)  # per new token: (logprob, [(id, logprob)]) or None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 
 from gateway.convert import sampling_from_pb
 from gateway.core import GatewayCore

@@ -1,0 +1,110 @@
+"""The Engine's disaggregation calls (a mixin of engine.engine.Engine; they use its request
+table, scheduler, KV manager and runner).
+
+Decode side: `reserve` blocks for an incoming prompt, `import_kv` what prefill sent into them,
+then `add_prefilled` joins the request to the running batch with its first token. Prefill side:
+run `prefill_only` requests, `export_kv` their blocks (or have them handed out layer by layer
+during the forward: `stream_kv_layers`, engine/layer_stream.py), and `release` them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES, KVBlocks, raw_view
+from engine.layer_stream import LayerExport
+from engine.request import Request, RequestOutput
+from engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+class DisaggregationMixin:
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+        """Decode side: pre-allocate the blocks an incoming prompt's KV will land in."""
+        if num_prompt_tokens < 1 or num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(f"cannot reserve for a prompt of {num_prompt_tokens} tokens "
+                                      f"(max_model_len={self.max_model_len})")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        return self.kv.reserve(request_id, num_prompt_tokens)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                      params: SamplingParams) -> RequestOutput | None:
+        """Decode side: join a request whose prompt KV sits in its reserved blocks.
+        Returns a finished output at once if the first token already ends it."""
+        req = self._make_request(request_id, prompt_token_ids, params)
+        if not self.kv.block_ids(request_id):
+            raise InvalidRequestError(f"request {request_id!r} has no reserved KV blocks")
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(int(first_token_id))
+        req.first_token_time = time.monotonic()
+        reason = self._first_token_finish(req)
+        if reason is not None:
+            self.kv.free(request_id)
+            return RequestOutput(request_id, [], True, reason, num_prompt_tokens=req.num_prompt_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add_running(req)
+        return None
+
+    def _first_token_finish(self, req: Request) -> str | None:
+        p = req.params
+        tok = req.output_token_ids[-1]
+        if p.min_tokens <= 1 and ((not p.ignore_eos and tok in req.eos_token_ids)
+                                  or tok in p.stop_token_ids):
+            return "stop"
+        if p.max_tokens <= 1 or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def stream_kv_layers(self, request_id: str, on_layer: Callable[[LayerExport], None]) -> None:
+        """Prefill side: hand out `request_id`'s KV layer by layer (on_layer(LayerExport), on
+        this thread, layer order) during the forward that completes its prompt. Register before
+        add_request(..., prefill_only=True); claims the id (a second registration, or one for
+        an id in use, raises InvalidRequestError). Dropped by abort / release / the export."""
+        if request_id in self.requests or request_id in self.layer_streamer.callbacks:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.layer_streamer.register(request_id, on_layer)
+
+    def export_kv(self, request_id: str) -> KVBlocks:
+        req = self.requests.get(request_id)
+        ids = self.kv.block_ids(request_id)
+        if not ids:
+            raise KeyError(f"no KV blocks held for request {request_id!r}")
+        n_tokens = req.num_prompt_tokens if req is not None else len(ids) * self.cfg.cache.block_size
+        n_blocks = -(-n_tokens // self.cfg.cache.block_size)
+        idx = torch.tensor(ids[:n_blocks], dtype=torch.long, device=self.device)
+        # NOTE: index ops lack fp8 kernels on CPU; move raw bytes and view back
+        dt = self.runner.kv_dtype
+        layers = [kv.view(torch.uint8).index_select(1, idx).cpu().contiguous().view(dt)
+                  for kv in self.runner.kv_caches]
+        sc = self.runner.kv_scales
+        return KVBlocks(self.cfg.cache.block_size, n_tokens, DTYPE_NAMES[self.runner.kv_dtype], layers,
+                        sc.k.tolist() if sc else None, sc.v.tolist() if sc else None)
+
+    def import_kv(self, request_id: str, blocks: KVBlocks, first_layer: int = 0) -> None:
+        """Write received blocks (all layers, or layers from `first_layer` on) into the
+        request's reserved blocks."""
+        ids = self.kv.block_ids(request_id)
+        if blocks.block_size != self.cfg.cache.block_size:
+            raise ValueError(f"block size {blocks.block_size} != ours {self.cfg.cache.block_size}")
+        if NAME_DTYPES[blocks.dtype] != self.runner.kv_dtype:
+            raise ValueError(f"kv dtype {blocks.dtype} != ours {DTYPE_NAMES[self.runner.kv_dtype]}")
+        if blocks.num_blocks > len(ids):
+            raise ValueError(f"{blocks.num_blocks} blocks sent, {len(ids)} reserved")
+        idx = torch.tensor(ids[:blocks.num_blocks], dtype=torch.long, device=self.device)
+        for i, t in enumerate(blocks.layers):
+            dst = raw_view(self.runner.kv_caches[first_layer + i])
+            dst.index_copy_(1, idx, raw_view(t.to(self.device)))
+        sc = self.runner.kv_scales
+        if sc is not None and blocks.k_scales is not None:
+            sc.k.copy_(torch.tensor(blocks.k_scales))
+            sc.v.copy_(torch.tensor(blocks.v_scales))
+            sc.calibrated = [True] * len(sc.calibrated)
+
+    def release(self, request_id: str) -> None:
+        self.kv.free(request_id)
+        self.layer_streamer.unregister(request_id)
+        req = self.requests.get(request_id)
+        if req is not None and (req.finished or req.prefill_only):
+            self.requests.pop(request_id, None)
