@@ -163,9 +163,8 @@ class Engine(DisaggregationMixin):
         rows, sample_reqs = [], []
         for s in sched.scheduled:
             r = s.req
-            toks = r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_tokens]
-            rows.append(StepInput(r.request_id, toks, r.num_computed_tokens,
-                                  self.kv.block_ids(r.request_id), s.sample))
+            rows.append(StepInput.of_request(r, r.num_computed_tokens, s.num_tokens,
+                                             self.kv.block_ids(r.request_id), s.sample))
             if s.sample:
                 sample_reqs.append(r)
         batch = self.runner.sampling_batch(sample_reqs) if sample_reqs else None

@@ -225,8 +225,7 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
             tok_reqs.append(r)
             tok_pos.append(flat)
         else:  # a prompt's next chunk, or a request prev did not run: tokens from the host
-            rows.append(StepInput(r.request_id, r.all_token_ids[start:start + s.num_tokens], start,
-                                  kv.block_ids(r.request_id), s.sample))
+            rows.append(StepInput.of_request(r, start, s.num_tokens, kv.block_ids(r.request_id), s.sample))
         flat += len(rows[-1].token_ids)
     n_run = len(out.scheduled)
     if sched.waiting:
@@ -242,9 +241,8 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         sched.admit_waiting(out, budget, pending, blind_admissible)
         for s in out.scheduled[n_run:]:
             r = s.req
-            start = r.num_computed_tokens
-            rows.append(StepInput(r.request_id, r.all_token_ids[start:start + s.num_tokens], start,
-                                  kv.block_ids(r.request_id), s.sample))
+            rows.append(StepInput.of_request(r, r.num_computed_tokens, s.num_tokens,
+                                             kv.block_ids(r.request_id), s.sample))
     sample = [s.req for s in out.scheduled if s.sample]
     if _same(tok_reqs, prev.sample_reqs):
         tokens = prev.tokens

@@ -53,6 +53,13 @@ class StepInput:
     block_ids: list[int]
     sample: bool
 
+    @classmethod
+    def of_request(cls, req, start: int, num_tokens: int, block_ids: list[int], sample: bool
+                   ) -> "StepInput":
+        """A row fed from the request's own tokens (known on the host): positions start ..
+        start + num_tokens - 1."""
+        return cls(req.request_id, req.all_token_ids[start:start + num_tokens], start, block_ids, sample)
+
 
 def prefill_graph_max_tokens(cfg: EngineConfig) -> int:
     """Largest prefill graph bucket: a step never holds more than max_num_batched_tokens."""
