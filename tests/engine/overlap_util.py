@@ -23,9 +23,10 @@ def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
-def _run(eng: Engine, reqs, events=None, max_steps: int = 500):
+def _run(eng: Engine, reqs, events=None, max_steps: int = 500, logprobs: dict | None = None):
     """Drive eng.step(); reqs: [(rid, prompt, params)] added up front; events: {step index:
-    fn(eng)} run after that step. Returns ({rid: tokens}, {rid: finish_reason}, #outputs)."""
+    fn(eng)} run after that step; logprobs: a dict to collect {rid: logprobs} into. Returns
+    ({rid: tokens}, {rid: finish_reason}, #outputs)."""
     for rid, prompt, params in reqs:
         eng.add_request(rid, prompt, params)
     toks, reasons = {}, {}
@@ -36,6 +37,8 @@ def _run(eng: Engine, reqs, events=None, max_steps: int = 500):
         for o in eng.step():
             assert o.request_id not in reasons, f"output after the end of {o.request_id}"
             toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(o.request_id, []).extend(o.logprobs)
             n_out += 1
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
@@ -51,10 +54,7 @@ def _same_and_never_waits(reqs, events, **kw):
     want = _run(_engine(False, **kw), reqs, dict(events))
     eng = _engine(True, **kw)
     gaps = []
-    ev = {i: (lambda e, i=i: (events[i](e) if i in events else None,
-                              gaps.append(e.has_unfinished() and e._inflight is None)))
-          for i in range(200)}
-    got = _run(eng, reqs, ev)
+    got = _run(eng, reqs, _noting_waits(events, gaps))
     assert got == want and not any(gaps)
     _no_leak(eng)
     return eng
@@ -67,19 +67,21 @@ def _no_leak(eng: Engine):
     assert not eng.scheduler.running and not eng.scheduler.waiting
 
 
+def _noting_waits(events, gaps: list, steps: int = 200) -> dict:
+    """events for _run that also append, after every step, whether the engine waited
+    (nothing in flight while requests remain) to `gaps`."""
+    def after(i):
+        def run(e):
+            if i in events:
+                events[i](e)
+            gaps.append(e.has_unfinished() and e._inflight is None)
+        return run
+    return {i: after(i) for i in range(steps)}
+
+
 def _run_lp(eng: Engine, reqs, events):
     """_run, also collecting each request's logprobs; and after each step whether the engine
     waited (nothing in flight while requests remain)."""
-    for rid, prompt, params in reqs:
-        eng.add_request(rid, prompt, params)
-    toks, lps, gaps = {}, {}, []
-    for i in range(200):
-        if not eng.has_unfinished():
-            break
-        for o in eng.step():
-            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
-            lps.setdefault(o.request_id, []).extend(o.logprobs)
-        if i in events:
-            events[i](eng)
-        gaps.append(eng.has_unfinished() and eng._inflight is None)
+    lps, gaps = {}, []
+    toks, _, _ = _run(eng, reqs, _noting_waits(events, gaps), max_steps=200, logprobs=lps)
     return toks, lps, gaps

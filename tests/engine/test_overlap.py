@@ -5,8 +5,7 @@ tokens, stops, aborts and chunked prompts, no lost output and no leaked block. A
 queues: test_overlap_admission.py; sampling options: test_overlap_sampling.py."""
 from __future__ import annotations
 
-from engine.engine import Engine
-from tests.engine.overlap_util import (PROMPTS, _engine, _greedy, _no_leak, _run,
+from tests.engine.overlap_util import (PROMPTS, _engine, _greedy, _no_leak, _noting_waits, _run,
     _same_and_never_waits)
 
 
@@ -137,8 +136,7 @@ def test_requests_ending_by_length_are_left_out_of_the_blind_step():
     want = _run(_engine(False), reqs)
     eng = _engine(True)
     gaps = []
-    got = _run(eng, reqs, {i: (lambda e: gaps.append(e.has_unfinished() and e._inflight is None))
-                           for i in range(60)})
+    got = _run(eng, reqs, _noting_waits({}, gaps, 60))
     assert got == want and not any(gaps)
     assert eng.num_overlapped_steps == 19  # every decode step after the prompts' step
     _no_leak(eng)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine
-from tests.engine.overlap_util import (PROMPTS, _engine, _greedy, _no_leak, _run, _run_lp,
-    _same_and_never_waits)
+from tests.engine.overlap_util import (PROMPTS, _engine, _greedy, _no_leak, _noting_waits, _run,
+    _run_lp, _same_and_never_waits)
 
 
 def test_arrival_and_preemption_match_synchronous():
@@ -88,16 +88,7 @@ def test_arrivals_with_a_free_slot_keep_the_overlap():
 
     def events(gaps=None):
         ev = {i: (lambda e, r=r: e.add_request(*r)) for i, r in arrivals.items()}
-        if gaps is None:
-            return ev
-        out = {}
-        for i in range(60):
-            def check(e, i=i):
-                if i in ev:
-                    ev[i](e)
-                gaps.append(e.has_unfinished() and e._inflight is None)
-            out[i] = check
-        return out
+        return ev if gaps is None else _noting_waits(ev, gaps, 60)
 
     want = _run(_engine(False), reqs, events())
     eng = _engine(True)
