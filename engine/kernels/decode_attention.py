@@ -279,7 +279,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     prefetch = tile.prefetch if prefetch is None else prefetch
     if num_splits is None:
         num_splits = decode_tiles.choose_num_splits(S, Hkv, block_tables.shape[1], BS, block_n, q.device,
-                                       tile.programs_per_sm, tile.min_tiles_per_split)
+                                                    tile.programs_per_sm, tile.min_tiles_per_split)
     rope = _check_new_kv(new_kv, q, kv_cache, is_fp8, D, D_PAD) if new_kv is not None else None
     if num_splits > 1:
         part_o = torch.empty((S, Hq, num_splits, D_PAD), dtype=torch.float32, device=q.device)

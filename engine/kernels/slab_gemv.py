@@ -43,8 +43,8 @@ Every program then waits for the counter's round trip before it can request its 
 and the variant needs more registers (fewer programs fit): qkv and down dynamic +4.8% /
 +4.6% (ctx 1024 / 4096), with the gate_up slab too +5.9%; the static gate_up slab alone
 (4 programs per SM asked, 2 fit) +1.3% / +1.3% in the same run, though in-kernel stamps put
-it at 56 us against the tile's 61 (step_profile-20261203T212308): traced steps are no guide
-to this op's whole-step cost.
+it at 56 us against the tile's 61 (step_profile-20261203T212308): tracing slows the
+7168-program tile by ~7 us a layer, so its stamps overstate it (engine/kernels/trace.py).
 """
 from __future__ import annotations
 
