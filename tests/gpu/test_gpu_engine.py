@@ -143,12 +143,12 @@ def test_slab_gemv_decode_matches_hf_and_replays(hf_dir, monkeypatch):
         sc.default_config.cache_clear()
 
 
-def _overlap_engine(path):
+def _overlap_engine(path, dtype="bf16", **sched):
     # no prefix caching: every run prefills the same way, so runs can compare bit for bit
     return Engine(EngineConfig(
-        model=ModelConfig(model=path, dtype="bf16", max_model_len=2048),
+        model=ModelConfig(model=path, dtype=dtype, max_model_len=2048),
         cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=8),
+        scheduler=SchedulerConfig(max_num_seqs=8, **sched),
         device=DeviceConfig(device="cuda", cuda_graph_max_batch=8)))
 
 
@@ -232,12 +232,7 @@ def test_overlapped_prompt_chunks_on_the_gpu(hf_dir):
     synchronous, 53 of 72 tokens equal in bf16, with graphs and with eager alike; all 72 in
     fp32: bench/results/overlap_chunks_diag-20261203T2122.log)."""
     path, _ = hf_dir
-    eng = Engine(EngineConfig(
-        model=ModelConfig(model=path, dtype="fp32", max_model_len=2048),
-        cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96,
-                                  long_prefill_token_threshold=64),
-        device=DeviceConfig(device="cuda", cuda_graph_max_batch=8)))
+    eng = _overlap_engine(path, "fp32", max_num_batched_tokens=96, long_prefill_token_threshold=64)
     prompts = [p[:16] for p in _prompts(2)]
     long = [t % 4096 for t in range(7, 7 + 600)]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
