@@ -39,7 +39,7 @@ the last split to finish instead of the reduce kernel (-T061429; 8B batch 1 +8% 
 ctx 1024 / 4096, batches 4-16 0.7-1.1% faster, noise), and (-T074351) each split's first
 K/V tile loaded before the PDL wait, the new token's row patched in after it (8B: batch 1
 -0.5% / +1.7% at ctx 1024 / 4096, batch 8 +4.3%, batch 64 +1.1%). And (-T082351, run with
-`bash bench/gpu_session.sh variants`) an L2 bulk prefetch window in the one-row skinny
+`bash lab/gpu_session.sh variants`) an L2 bulk prefetch window in the one-row skinny
 matmuls, issued by the matmul's own programs: 8B batch 1 o_proj / qkv within noise, gate_up
 and down +4-6% each, all four +8-9%. Sixth session (--attr-b, 8B batch 1): the rmsnorm kernel
 on PDL +10% (-T124409), every kernel triggering its dependent late +6% (-T125629), cuts in the

@@ -20,7 +20,7 @@ whose tuned bucket, the smallest tuned M >= its rows, is in fused_m).
 NOTE: an isolated win can lose inside a whole step (H200, 2026-12-03: the 8B one-row
 gate_up+silu on a whole-row tile, 63.3 vs 64.7 us alone, made the batch-1 step 5.5% slower;
 decode_ab-20261203T074439), so the merged table overwrites entries the step A/B rejected:
-sweep into a candidate (--table-out, or `bash bench/gpu_session.sh candidate`, which also
+sweep into a candidate (--table-out, or `bash lab/gpu_session.sh candidate`, which also
 runs `bench.decode_ab --table-ab` on it) and ship only the entries that win in whole steps.
 The shipped entry of each (shape, M) is always a candidate, so a sweep never picks a tile
 slower than the current one. The same holds for the one-row slab GEMVs (--only slab; H200,

@@ -23,7 +23,7 @@ grid-dependency wait released (first / last program), the decode split's midpoin
 new K/V written; its tiles attended), when its programs ended (median / last = what it adds).
 Last, the registers / spills / shared memory of every kernel variant the cases compiled, as
 this GPU's Triton reports them, and how many programs of each fit on one SM
-(bench/kernel_resources.py).
+(lab/kernel_resources.py).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import torch
 
 from bench.common import parse_attrs, print_table, write_result
 from bench.engine_gpu_steps import decode_inputs, make_engine, rows_of
-from bench.kernel_resources import COLUMNS as RES_COLUMNS
-from bench.kernel_resources import compiled_rows
+from lab.kernel_resources import COLUMNS as RES_COLUMNS
+from lab.kernel_resources import compiled_rows
 from bench.timing import cuda_time_ms
 from engine.kernels import trace
 
