@@ -1,13 +1,16 @@
 """The attention benchmark's inputs are in the layout the kernel reads: the Triton decode kernel
-on bench.decode_ab's inputs matches the torch reference over the same cache (a [blocks, 2, ...]
+on lab.decode_ab's inputs matches the torch reference over the same cache (a [blocks, 2, ...]
 cache, which the benchmark once built, makes the kernel read other bytes than the reference)."""
 from types import SimpleNamespace
 
-import torch
+import pytest
 
-from bench.decode_ab import BS, _attn_inputs
-from engine.kernels.decode_attention import paged_decode_attention
-from engine.kernels.reference import paged_attention_torch
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from lab.decode_ab import BS, _attn_inputs  # noqa: E402
+from engine.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from engine.kernels.reference import paged_attention_torch  # noqa: E402
 
 
 def test_attention_bench_inputs_match_the_reference(device):

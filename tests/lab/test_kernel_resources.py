@@ -1,7 +1,7 @@
-"""bench.kernel_resources on stand-ins for compiled kernels (real ones need a GPU)."""
+"""lab.kernel_resources on stand-ins for compiled kernels (real ones need a GPU)."""
 from types import SimpleNamespace
 
-from bench.kernel_resources import compiled_rows, rows_for
+from lab.kernel_resources import compiled_rows, rows_for
 
 
 def _kernel(n_regs, warps, shared, constants, spills=0):

@@ -1,7 +1,7 @@
-"""bench/overlap_host.py on a tiny CPU engine: the planning and building of blind steps is timed
+"""lab/overlap_host.py on a tiny CPU engine: the planning and building of blind steps is timed
 per step, every decode step after the first is blind, and the engine's functions are restored."""
 import engine.engine as engine_mod
-from bench.overlap_host import measure
+from lab.overlap_host import measure
 
 
 def test_measure_times_plan_and_follow_and_restores_them():

@@ -1,9 +1,9 @@
-"""bench/table_variant.py: candidate tables for the step-level A/B."""
+"""lab/table_variant.py: candidate tables for the step-level A/B."""
 import copy
 
 import pytest
 
-from bench.table_variant import apply
+from lab.table_variant import apply
 
 DOC = {"device": "Fake GPU", "max_m": 16, "fused_m": [1, 16], "entries": [
     {"n": 4096, "k": 4096, "silu": False, "m": 1, "cfg": [4, 512, 4, 3, False, 1, False, False], "us": 11.0},

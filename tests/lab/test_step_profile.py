@@ -1,9 +1,9 @@
-"""bench/step_profile.py's timeline folding (pure Python; the profiler run needs a GPU)."""
+"""lab/step_profile.py's timeline folding (pure Python; the profiler run needs a GPU)."""
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench.step_profile import layer_pattern, per_position  # noqa: E402
+from lab.step_profile import layer_pattern, per_position  # noqa: E402
 
 
 def _step(layers, pattern, prologue=("embed", "cos", "sin"), first_extra=("rmsnorm",), epilogue=("norm", "lm_head")):
@@ -50,7 +50,7 @@ def _stamps(programs, entry, wait, end, mids=None):
 
 
 def test_stamp_features_relative_to_previous_end():
-    from bench.step_profile import stamp_features
+    from lab.step_profile import stamp_features
 
     bufs = [("slab_gemv", _stamps(4, 0, 1000, 10_000)),             # ends last at 13 us
             ("decode_split", _stamps(2, 12_000, 14_000, 20_000, (15_000, 18_000))),
@@ -65,7 +65,7 @@ def test_stamp_features_relative_to_previous_end():
 
 
 def test_fold_stamps_takes_medians_per_position():
-    from bench.step_profile import fold_stamps
+    from lab.step_profile import fold_stamps
 
     def rep(shift):
         feats = [{"kernel": "embed_norm", "programs": 1, "sms": 1, "end_last": 1.0}]
@@ -83,7 +83,7 @@ def test_fold_stamps_takes_medians_per_position():
 
 
 def test_stamp_features_leave_out_unwritten_rows():
-    from bench.step_profile import stamp_features
+    from lab.step_profile import stamp_features
 
     b = _stamps(4, 5_000_000_000, 5_000_001_000, 5_000_010_000)
     b[2, 1:6] = 0  # a row no program wrote
