@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels of the service dependencies that the lent GPU image lacks, into .whl/ (git-ignored),
-# for `run` with carry [".whl"]: bench/gpu_session.sh installs them into /tmp/site there.
+# for `run` with carry [".whl"]: lab/gpu_session.sh installs them into /tmp/site there.
 # The gRPC plugins are pinned to the image's grpcio (1.84): newer generated code refuses an
 # older grpcio at import. Python 3.12, x86_64 manylinux; about 10 MB.
 set -euo pipefail

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
-# (or bench/results when OUT is unset). Usage: bash bench/gpu_session.sh [tests|ktests|gtests|overlap|engine|sweep|candidate|variants|profile|ab|services ...]
+# (or lab/results when OUT is unset). Usage: bash lab/gpu_session.sh [tests|ktests|gtests|overlap|engine|sweep|candidate|variants|profile|ab|services ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
+OUT=${OUT:-lab/results}
 export PYTHONUNBUFFERED=1 SPLITSERVE_BENCH_DIR=$OUT
 # NOTE: on the lent GPU the working tree arrives with stale git metadata (HEAD may be an older
 # commit): pass SPLITSERVE_COMMIT=<sha> in the device command to record the right one.
@@ -30,33 +30,33 @@ for s in $steps; do
         tests/kernels/test_skinny_gemm.py tests/kernels/test_model_skinny.py \
         tests/kernels/test_decode_attention.py tests/kernels/test_attention_triton.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
     ab)
-      timeout 400 python3 -m bench.decode_ab ${AB_ARGS:-} 2>&1 | tee "$OUT/decode_ab.log" | tail -40 ;;
+      timeout 400 python3 -m lab.decode_ab ${AB_ARGS:-} 2>&1 | tee "$OUT/decode_ab.log" | tail -40 ;;
     tests)
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     engine)
       timeout 260 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
     sweep)
-      timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
+      timeout 330 python3 -m lab.skinny_gemm_sweep ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
     candidate)  # sweep into a candidate table, then check it against the shipped one in whole steps
-      timeout 330 python3 -m bench.skinny_gemm_sweep ${SWEEP_ARGS:-} --write-table --table-out "$OUT/candidate_table.json" 2>&1 \
+      timeout 330 python3 -m lab.skinny_gemm_sweep ${SWEEP_ARGS:-} --write-table --table-out "$OUT/candidate_table.json" 2>&1 \
         | tee "$OUT/sweep.log" | tail -30
-      timeout 300 python3 -m bench.decode_ab --table-ab "$OUT/candidate_table.json" ${AB_ARGS:-} 2>&1 \
+      timeout 300 python3 -m lab.decode_ab --table-ab "$OUT/candidate_table.json" ${AB_ARGS:-} 2>&1 \
         | tee "$OUT/decode_ab.log" | tail -20 ;;
     variants)  # step A/B of table variants: VARIANTS="SPEC SPEC|SPEC|..." (groups split by |,
-      # each group one candidate table: bench.table_variant --set SPEC ...; see its docstring)
+      # each group one candidate table: lab.table_variant --set SPEC ...; see its docstring)
       i=0; cands=""
       IFS='|' read -ra groups <<< "${VARIANTS:?set VARIANTS}"
       for g in "${groups[@]}"; do
         i=$((i + 1)); sets=""
         for spec in $g; do sets="$sets --set $spec"; done
-        python3 -m bench.table_variant "$OUT/variant_$i.json" $sets || continue
+        python3 -m lab.table_variant "$OUT/variant_$i.json" $sets || continue
         cands="$cands${cands:+,}$OUT/variant_$i.json"
       done
-      timeout 400 python3 -m bench.decode_ab --table-ab "$cands" ${AB_ARGS:-} 2>&1 \
+      timeout 400 python3 -m lab.decode_ab --table-ab "$cands" ${AB_ARGS:-} 2>&1 \
         | tee "$OUT/decode_ab.log" | tail -24 ;;
     profile)
-      timeout 200 python3 -m bench.step_profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -120 ;;
+      timeout 200 python3 -m lab.step_profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -120 ;;
     services)
       SPLITSERVE_TEST_DEVICE=cuda:0 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/services ${SERVICE_TEST_ARGS:-} 2>&1 | tee "$OUT/services.log" | tail -25 ;;

@@ -6,7 +6,7 @@ argument specialization it is given: on 2026-12-03 one stride of the decode spli
 (128-token tile, 8 warps) compiled without the 16-divisibility hint put it at 255 registers with
 spills, while the H200 compiled it to 91 without any (Triton 3.6 on CPU with every stride hinted:
 92). Occupancy reasoning about a step (which programs can be resident beside which) should use
-the device's numbers: bench.step_profile prints this table after each case.
+the device's numbers: lab.step_profile prints this table after each case.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ next step be launched blind?) and follow (build it through the scheduler's own r
 batch sizes, on a tiny engine (the model's time does not enter; any device). The GPU step they
 hide under is milliseconds; this says how much of it they take.
 
-    python -m bench.overlap_host [--batches 8,32,128] [--steps 40] [--device cpu]
+    python -m lab.overlap_host [--batches 8,32,128] [--steps 40] [--device cpu]
 """
 from __future__ import annotations
 
