@@ -1,0 +1,182 @@
+"""Pool backends: `vmm` (CUDA virtual memory: one GPU, or GPUs of one host) and `shm` (CPU
+memory of one host). Prefill's KV pool is shareable memory (engine.kv_memory); decode maps it
+once per prefill process and, per request, copies the prompt's blocks from prefill's pool into
+the blocks it reserved: one gather/scatter over all layers, on decode's own copy stream and
+thread, so neither engine thread waits and no byte crosses a wire or the host.
+
+    prefill: sender = PoolKVSender(server, kind); nbytes = await sender.handoff(...)
+    decode:  importer = PoolImporter(receiver, dst_blocks, block_ids_of, device)
+             KVTransfer.PoolHandoff -> importer.handoff(...) -> DONE in the receiver
+
+Hazards:
+- NOTE: prefill must keep the request's blocks until the handoff returns (it releases them
+  after); decode copies only between reception of the call and its answer.
+- NOTE: a reservation freed while its copy runs would hand the copy's target to another
+  request: `GuardedSink.release` waits for the request's copy before freeing its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from kvtransfer.backends.pool_share import PeerPool, PoolUnreachable, attach
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.state import TransferError
+
+log = logging.getLogger("splitserve.kvtransfer.pool")
+
+POOL_BACKENDS = {"vmm": "cuda_vmm", "shm": "memfd"}  # backend name -> engine.kv_memory kind
+
+
+def pool_backend_for(device: str) -> str:
+    """The pool backend for a KV cache on `device` ('cpu' -> shm, 'cuda:N' -> vmm)."""
+    return "vmm" if device.startswith("cuda") else "shm"
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
+                stream=None) -> None:
+    """dst[:, dst_ids] = src[:, src_ids] over uint8 [layers * 2, blocks, block_bytes] views;
+    blocking until done (CUDA: on `stream`, then synchronized)."""
+    dev = dst.device
+    if dev.type == "cuda":
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            si = torch.tensor(src_ids, dtype=torch.long, device=dev)
+            di = torch.tensor(dst_ids, dtype=torch.long, device=dev)
+            dst.index_copy_(1, di, src.index_select(1, si))
+        (stream or torch.cuda.current_stream(dev)).synchronize()
+    else:
+        si = torch.tensor(src_ids, dtype=torch.long)
+        di = torch.tensor(dst_ids, dtype=torch.long)
+        dst.index_copy_(1, di, src.index_select(1, si))
+
+
+class PoolImporter:
+    """Decode side: maps prefill pools on first use and runs each request's copy."""
+
+    def __init__(self, receiver: KVReceiver, dst_blocks: torch.Tensor, block_ids_of, device,
+                 attach_timeout_s: float = 5.0):
+        self.receiver = receiver
+        self.dst = dst_blocks                  # decode's pool: uint8 [layers * 2, blocks, block_bytes]
+        self.block_ids_of = block_ids_of       # async (request_id) -> reserved block ids
+        self.device = torch.device(device)
+        self.attach_timeout_s = attach_timeout_s
+        self.peers: dict[str, PeerPool] = {}
+        self._users: dict[str, int] = {}       # address -> copies in flight from that pool
+        self._copies: dict[str, asyncio.Future] = {}  # request id -> its copy
+        self._attaching: dict[str, asyncio.Task] = {}
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.bytes_moved = 0
+
+    async def _peer(self, address: str, pool_id: str) -> PeerPool:
+        p = self.peers.get(address)
+        if p is not None and (p.dead.is_set() or p.pool_id != pool_id):
+            self._drop(address)  # the owner restarted or exited: map its new pool
+            p = None
+        if p is None:
+            task = self._attaching.get(address)
+            if task is None:
+                task = self._attaching[address] = asyncio.ensure_future(
+                    asyncio.to_thread(attach, address, self.device, self.attach_timeout_s))
+            try:
+                p = await asyncio.shield(task)
+            finally:
+                self._attaching.pop(address, None)
+            self._check_layout(p)
+            loop = asyncio.get_running_loop()
+            p.on_dead = lambda a=address: loop.call_soon_threadsafe(self._drop, a)
+            self.peers[address] = p
+            log.info("kv pool %s mapped (%s, %.1f MiB)", address, p.pool.kind, p.pool.meta.nbytes / 2**20)
+        if p.pool_id != pool_id:
+            raise PoolUnreachable(f"KV pool {address!r} is {p.pool_id}, the handoff names {pool_id}")
+        return p
+
+    def _check_layout(self, p: PeerPool) -> None:
+        if p.blocks.shape[0] != self.dst.shape[0] or p.blocks.shape[2] != self.dst.shape[2]:
+            p.close()
+            raise PoolUnreachable(
+                f"prefill's pool holds {p.blocks.shape[0] // 2} layers of {p.blocks.shape[2]} B "
+                f"blocks, decode's {self.dst.shape[0] // 2} of {self.dst.shape[2]} B")
+
+    def _drop(self, address: str) -> None:
+        p = self.peers.get(address)
+        if p is None:
+            return
+        if self._users.get(address, 0) == 0:
+            self.peers.pop(address, None)
+            p.close()
+            log.info("kv pool %s unmapped (its owner is gone or replaced)", address)
+        # else: the last copy from it unmaps it (handoff's finally)
+
+    async def handoff(self, transfer_id: str, address: str, pool_id: str, src_ids: list[int],
+                      num_tokens: int, k_scales=(), v_scales=()) -> tuple[int, float]:
+        """Copy a request's prompt blocks from prefill's pool; -> (bytes, copy ms). Raises
+        PoolUnreachable (nothing touched: the pair falls back) or TransferError (FAILED)."""
+        t = self.receiver.check_open(transfer_id)
+        peer = await self._peer(address, pool_id)
+        lay = self.receiver.layout
+        n = -(-num_tokens // lay.block_size)
+        dst_ids = list(await self.block_ids_of(t.request_id))
+        if num_tokens < 1 or len(src_ids) < n or len(dst_ids) < n:
+            self.receiver.fail(transfer_id, f"handoff of {num_tokens} tokens names {len(src_ids)} "
+                               f"prefill blocks for {len(dst_ids)} reserved")
+            raise TransferError(f"bad handoff for transfer {transfer_id}")
+        src_ids = [int(b) for b in src_ids[:n]]
+        if min(src_ids) < 0 or max(src_ids) >= peer.blocks.shape[1]:
+            self.receiver.fail(transfer_id, "handoff names blocks outside prefill's pool")
+            raise TransferError(f"bad block ids for transfer {transfer_id}")
+        nbytes = n * self.dst.shape[0] * self.dst.shape[2]
+        self.receiver.on_data(transfer_id, nbytes)
+        fut = asyncio.get_running_loop().create_future()
+        self._copies[t.request_id] = fut
+        self._users[address] = self._users.get(address, 0) + 1
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(copy_blocks, peer.blocks, src_ids, self.dst, dst_ids[:n], self._stream)
+        finally:
+            fut.set_result(None)
+            self._copies.pop(t.request_id, None)
+            self._users[address] -= 1
+            if peer.dead.is_set() or self.peers.get(address) is not peer:
+                if self._users[address] == 0 and self.peers.get(address) is peer:
+                    self._drop(address)
+                elif self._users[address] == 0:
+                    peer.close()
+        copy_ms = (time.perf_counter() - t0) * 1e3
+        shape = (2, n, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        fp8 = len(k_scales) == lay.num_layers
+        for i in range(lay.num_layers):
+            self.receiver.on_layer_landed(transfer_id, i, shape, lay.dtype,
+                                          k_scales[i] if fp8 else None, v_scales[i] if fp8 else None)
+        await self.receiver.on_commit(transfer_id)
+        self.bytes_moved += nbytes
+        return nbytes, copy_ms
+
+    async def settled(self, request_id: str) -> None:
+        """Wait until no copy into `request_id`'s blocks is running."""
+        fut = self._copies.get(request_id)
+        if fut is not None:
+            await asyncio.shield(fut)
+
+    def close(self) -> None:
+        for a in list(self.peers):
+            self.peers.pop(a).close()
+
+
+class GuardedSink:
+    """A KVSink whose release waits for the request's pool copy (see the module's NOTE)."""
+
+    def __init__(self, sink, importer: PoolImporter):
+        self.sink, self.importer = sink, importer
+
+    async def write_layer(self, *a, **kw):
+        return await self.sink.write_layer(*a, **kw)
+
+    async def write_scales(self, *a, **kw):
+        return await self.sink.write_scales(*a, **kw)
+
+    async def release(self, request_id: str, transfer_id: str) -> None:
+        await self.importer.settled(request_id)
+        await self.sink.release(request_id, transfer_id)
