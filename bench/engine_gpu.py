@@ -6,7 +6,7 @@ batch sizes and contexts, prefill throughput, HF transformers eager, and the roo
 Random bf16 weights in the real shapes. Timings: CUDA events, warm-up, median of many.
 Roofline: decode floor = (weight bytes + KV bytes read) / measured copy bandwidth;
 prefill floor = FLOPs / measured bf16 GEMM rate. Kernel micro-benchmarks: bench/kernels_gpu.py.
-The issue's target cases (batch 1 at ctx 1024, batch 64 at ctx 2048) are also timed after each
+The target cases (batch 1 at ctx 1024, batch 64 at ctx 2048) are also timed after each
 of --recaptures fresh graph captures, and reported as the median over all captures: one capture
 of the same step moves by up to 6% on the H200, more than the margins we chase.
 """

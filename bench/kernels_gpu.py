@@ -7,7 +7,7 @@
 2. device copy bandwidth (the memory-bound ceiling);
 3. paged decode attention GB/s (batch 32, ctx 4096, 32 q / 8 kv heads, d 128, bf16, block 16),
    fp8 KV, torch reference + dense SDPA timings; --sweep tunes block_n / warps / stages / splits
-   at that shape (tiles x split counts over batches 1-128: bench/decode_ab.py);
+   at that shape (tiles x split counts over batches 1-128: lab/decode_ab.py);
 4. varlen prefill attention TFLOP/s (causal), vs dense SDPA; --sweep tunes tiles;
 5. KV write / RMSNorm / rotary bandwidth.
 Kernel timings are CUDA-graph replays (20 calls per graph, median of replays) so Python/Triton
