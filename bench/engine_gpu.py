@@ -8,7 +8,7 @@ Roofline: decode floor = (weight bytes + KV bytes read) / measured copy bandwidt
 prefill floor = FLOPs / measured bf16 GEMM rate. Kernel micro-benchmarks: bench/kernels_gpu.py.
 The target cases (batch 1 at ctx 1024, batch 64 at ctx 2048) are also timed after each
 of --recaptures fresh graph captures, and reported as the median over all captures: one capture
-of the same step moves by up to 6% on the H200, more than the margins we chase.
+of the same step moves by up to 6% on the H200, more than most differences worth measuring.
 """
 from __future__ import annotations
 

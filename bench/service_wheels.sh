@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Wheels of the service dependencies that the lent GPU image lacks, into .whl/ (git-ignored),
-# for `run` with carry [".whl"]: lab/gpu_session.sh installs them into /tmp/site there.
-# The gRPC plugins are pinned to the image's grpcio (1.84): newer generated code refuses an
-# older grpcio at import. Python 3.12, x86_64 manylinux; about 10 MB.
+# Wheels of the service dependencies, into .whl/ (git-ignored), for a GPU machine whose image
+# lacks them and has no network: copy .whl/ along and lab/gpu_session.sh installs them into
+# /tmp/site. The gRPC plugins are pinned to that image's grpcio (1.84): newer generated code
+# refuses an older grpcio at import. Python 3.12, x86_64 manylinux; about 10 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
