@@ -78,7 +78,7 @@ def time_decode(eng: Engine, batch: int, ctx: int, eager: bool = True) -> dict:
         res["graph_ms"] = cuda_time_ms(lambda: r.graphs.run_rows(rows), iters=50)
         # the GPU's step alone: the staged bucket graph replayed (graph_ms above also holds
         # the host staging between its events, which jitters by ~3% from one timing to the
-        # next; the overlapped serving loop hides it: bench/capture_variance.py)
+        # next; the overlapped serving loop hides it: lab/capture_variance.py)
         g = r.graphs
         b = g.bucket_for(batch)
         if b in g.graphs:
