@@ -80,9 +80,9 @@ def _peer_copy(layout: KVLayout, tokens: int, repeats: int) -> dict:
 
 
 async def run(a) -> list[dict]:
-    from kvtransfer.dist_backend import DistKVSender
+    from kvtransfer.backends.dist import DistKVSender
+    from kvtransfer.backends.grpc import GrpcKVSender
     from kvtransfer.endpoint import local_endpoint
-    from kvtransfer.grpc_backend import GrpcKVSender
 
     layout = KVLayout(a.layers, a.kv_heads, a.head_dim, a.dtype, a.block_size)
     max_blocks = -(-max(a.tokens) // a.block_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from typing import Callable, Sequence
 
 from common.envs import env_bool, env_float, env_int, env_str
 from engine.config import (ASYNC_SCHEDULING, CacheConfig, ConfigError, DeviceConfig, EngineConfig,
@@ -72,9 +73,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "since prefill and decode usually share the host)")
 
 
-KV_TRANSFER_BACKENDS = ("grpc", "dist", "nixl")  # kvtransfer/endpoint.py describes them
-
-
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("kv transfer")
     g.add_argument("--kv-transfer-backend", default=env_str("SPLITSERVE_KV_TRANSFER_BACKEND", "grpc"),
@@ -88,17 +86,18 @@ def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
                    help="dist / nixl: pair setup timeout and per-layer transfer timeout")
 
 
-def kv_backend_from_args(a: argparse.Namespace) -> str:
-    """-> the validated --kv-transfer-backend; ConfigError names the problem (exit 2)."""
+def kv_backend_from_args(a: argparse.Namespace, backends: Sequence[str],
+                         unavailable: Callable[[str], str | None]) -> str:
+    """-> the validated --kv-transfer-backend; ConfigError names the problem (exit 2).
+    backends: the known names; unavailable(name): why it cannot run here, or None (the
+    services pass kvtransfer.endpoint's BACKENDS and backend_unavailable)."""
     b = a.kv_transfer_backend
-    if b not in KV_TRANSFER_BACKENDS:
+    if b not in backends:
         raise ConfigError(f"--kv-transfer-backend / SPLITSERVE_KV_TRANSFER_BACKEND={b!r}: "
-                          f"use one of {', '.join(KV_TRANSFER_BACKENDS)}")
-    if b == "nixl":
-        from kvtransfer.nixl_probe import NOT_INSTALLED, nixl_available
-
-        if not nixl_available():
-            raise ConfigError(NOT_INSTALLED)
+                          f"use one of {', '.join(backends)}")
+    why = unavailable(b)
+    if why is not None:
+        raise ConfigError(why)
     if a.kv_pair_timeout_s <= 0:
         raise ConfigError(f"--kv-pair-timeout-s must be > 0, got {a.kv_pair_timeout_s}")
     return b

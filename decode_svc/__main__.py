@@ -34,11 +34,11 @@ async def amain(args) -> int:
     from decode_svc.servicer import SERVICE_NAME, DecodeServicer
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout, KVReceiver
-    from kvtransfer.endpoint import local_endpoint, pair_transport
-    from kvtransfer.pair_service import KVTransferService
+    from kvtransfer.backends.pair_service import KVTransferService
+    from kvtransfer.endpoint import BACKENDS, backend_unavailable, local_endpoint, pair_transport
     from protos import decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
-    backend = kv_backend_from_args(args)
+    backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
     # NOTE: prefix caching is off on decode: its blocks are written by transfers, not computed
     cfg = engine_config_from_args(args, prefix_caching=False, role="decode")
     runtime.setup_tracing("splitserve-decode")
@@ -56,15 +56,15 @@ async def amain(args) -> int:
         planes, accepted, pair = {}, ["grpc"], None
         t = args.kv_pair_timeout_s
         if backend == "dist":
-            from kvtransfer.dist_backend import DistPlane, DistRendezvous
+            from kvtransfer.backends.dist import DistPlane, DistRendezvous
 
             rdv = holder["rdv"] = DistRendezvous(host, args.kv_store_port, t)
             pair = local_endpoint(info["device"], rdv.address)
             planes[pair_transport(pair.device)] = lambda: DistPlane(rdv, pair, host, t)
             accepted = ["dist", "grpc"]
         elif backend == "nixl":
-            from kvtransfer.nixl_backend import (GuardedSink, InflightGuard, NixlPlane, make_agent,
-                                                 register_kv_caches)
+            from kvtransfer.backends.nixl import (GuardedSink, InflightGuard, NixlPlane, make_agent,
+                                                  register_kv_caches)
 
             agent = make_agent(f"decode-{args.port}-{id(engine):x}")
             kv = engine.engine.runner.kv_caches

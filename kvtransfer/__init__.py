@@ -3,12 +3,13 @@
     KVSender / SendTransfer (base.py)   sender interface; send_layer() as layers become ready
     KVReceiver (receiver.py)            decode-side per-transfer state, expiry, release callback
     TransferState / KVLayout (state.py) BOOTSTRAPPING -> TRANSFERRING -> DONE | FAILED
-    grpc_backend.py                     grpc backend: chunked bytes over a gRPC client stream
     endpoint.py                         which backend a prefill/decode pair uses (+ grpc fallback)
-    pair_client.py / pair_sender.py     sender side of the direct backends (PairSession stream)
-    pair_service.py                     receiver side: KVTransfer.PairSession (+ PushKV)
-    dist_group.py / dist_backend.py     dist backend: torch.distributed gloo/NCCL pair groups
-    nixl_backend.py                     nixl backend (NIXL READs; never run, see its docstring)
+    backends/                           the transports:
+      grpc.py                           grpc: chunked bytes over a gRPC client stream (PushKV)
+      pair_client.py / pair_sender.py   sender side of the direct backends (PairSession stream)
+      pair_service.py                   receiver side: KVTransfer.PairSession (+ PushKV)
+      dist.py / dist_group.py           dist: torch.distributed gloo/NCCL pair groups
+      nixl.py / nixl_probe.py           nixl: NIXL READs (tested with a fake agent only)
     loopback.py                         a receiver in its own process, for tests and benchmarks
 """
 from kvtransfer.base import KVSender, SendTransfer, send_blocks

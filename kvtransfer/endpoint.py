@@ -21,6 +21,15 @@ class BackendUnavailable(RuntimeError):
     """A selected backend cannot run in this process (e.g. nixl is not installed)."""
 
 
+def backend_unavailable(backend: str) -> str | None:
+    """Why `backend` cannot run in this process, or None (the services' flag check)."""
+    if backend == "nixl":
+        from kvtransfer.backends.nixl_probe import NOT_INSTALLED, nixl_available
+
+        return None if nixl_available() else NOT_INSTALLED
+    return None
+
+
 @dataclass(frozen=True)
 class PairEndpoint:
     """One side's KV device as the pairing sees it (decode's comes from the ticket)."""

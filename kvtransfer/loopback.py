@@ -9,7 +9,8 @@ driven from the parent through a pipe.
     raw = rp.read("r1", layer=0, num_blocks=2)           # uint8 bytes of those blocks
     rp.kill()  /  rp.stop()
 
-Not used by the services.
+Not used by the services; it lives in the package, not under tests/, because
+bench/kv_transfer.py drives it too.
 """
 from __future__ import annotations
 
@@ -143,9 +144,9 @@ def _child_main(conn, layout_kw, num_blocks, device, host, timeout_s, reservatio
 
 async def _serve(conn, layout, num_blocks, device, host, timeout_s, reservation_timeout_s):
     from common.grpc_util import create_server
-    from kvtransfer.dist_backend import DistPlane, DistRendezvous
+    from kvtransfer.backends.dist import DistPlane, DistRendezvous
+    from kvtransfer.backends.pair_service import KVTransferService
     from kvtransfer.endpoint import local_endpoint
-    from kvtransfer.pair_service import KVTransferService
     from kvtransfer.receiver import KVReceiver
     from kvtransfer.state import TransferError
     from protos import kvtransfer_pb2_grpc

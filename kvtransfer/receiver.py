@@ -1,7 +1,7 @@
 """KVReceiver: decode-side transfer bookkeeping, independent of the wire backend.
 
 The decode service `expect`s a transfer when it reserves blocks; a backend server (e.g.
-kvtransfer.grpc_backend.KVTransferServicer, kvtransfer.pair_service.KVTransferService) calls
+kvtransfer.backends.grpc.KVTransferServicer, kvtransfer.backends.pair_service.KVTransferService) calls
 `on_layer` for every complete layer (or `on_layer_landed` when the transport wrote the blocks
 itself) and `on_commit` at the end; the Decode handler `wait`s for DONE and `claim`s the blocks.
 

@@ -30,13 +30,13 @@ async def amain(args) -> int:
     from common import runtime
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout
-    from kvtransfer.endpoint import local_endpoint
-    from kvtransfer.grpc_backend import GrpcKVSender
+    from kvtransfer.backends.grpc import GrpcKVSender
+    from kvtransfer.endpoint import BACKENDS, backend_unavailable, local_endpoint
     from prefill_svc.kv_push import KVPusher
     from prefill_svc.servicer import SERVICE_NAME, PrefillServicer
     from protos import prefill_pb2_grpc
 
-    backend = kv_backend_from_args(args)
+    backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
     cfg = engine_config_from_args(args, prefix_caching=True)
     runtime.setup_tracing("splitserve-prefill")
     engine = AsyncEngine(cfg)
@@ -50,11 +50,11 @@ async def amain(args) -> int:
         senders = {"grpc": GrpcKVSender(chunk_bytes=args.kv_chunk_bytes)}
         pair_kw = dict(op_timeout_s=args.kv_pair_timeout_s, connect_timeout_s=args.kv_pair_timeout_s)
         if backend == "dist":
-            from kvtransfer.dist_backend import DistKVSender
+            from kvtransfer.backends.dist import DistKVSender
 
             senders["dist"] = DistKVSender(local, host=pair_host(args.host), **pair_kw)
         elif backend == "nixl":
-            from kvtransfer.nixl_backend import NixlKVSender
+            from kvtransfer.backends.nixl import NixlKVSender
 
             senders["nixl"] = NixlKVSender(local, staging_bytes=args.kv_nixl_staging_mb << 20, **pair_kw)
         metrics = runtime.get_metrics("prefill")

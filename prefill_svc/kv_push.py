@@ -20,9 +20,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from kvtransfer.backends.pair_client import PairUnavailable
 from kvtransfer.base import KVSender
 from kvtransfer.endpoint import PairEndpoint, choose_backend, ticket_backends
-from kvtransfer.pair_client import PairUnavailable
 from kvtransfer.state import KVLayout
 
 log = logging.getLogger("splitserve.prefill.kv")

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.stack import ROOT
+from tests.harness import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -17,7 +17,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
-from tests.e2e import stack as st
+from tests import harness
 from tests.e2e.otlp_receiver import OTLPTraceReceiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -34,7 +34,7 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def services(receiver):
-    s = st.start_stack(st.TINY, otlp_endpoint=receiver.endpoint)
+    s = harness.start_stack(harness.TINY_CPU, otlp_endpoint=receiver.endpoint)
     yield s
     s.stop()
 

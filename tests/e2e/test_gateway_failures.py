@@ -10,14 +10,14 @@ import httpx
 import pytest
 
 from protos import generate_pb2, generate_pb2_grpc
-from tests.e2e import stack as st
+from tests import harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")
 def services():
-    s = st.start_stack(st.TINY, n_prefill=2)
+    s = harness.start_stack(harness.TINY_CPU, n_prefill=2)
     yield s
     s.stop()
 

@@ -11,7 +11,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import generate_pb2, generate_pb2_grpc
-from tests.e2e import stack as st
+from tests import harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 ARGS = ["--model", "default", "--dtype", "fp32", "--device", "cpu", "--max-model-len", "512",
@@ -22,7 +22,7 @@ N = 12
 
 @pytest.fixture(scope="module")
 def services():
-    s = st.start_stack(ARGS)
+    s = harness.start_stack(ARGS)
     yield s
     s.stop()
 

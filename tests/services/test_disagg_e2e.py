@@ -18,7 +18,7 @@ from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import common_pb2, decode_pb2, generate_pb2, prefill_pb2
-from tests.services import procs
+from tests import harness
 from tests.services.client import Client, take_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def services():
-    with procs.service_pair(decode_extra=["--reservation-timeout-s", "20"]) as pair:
+    with harness.service_pair(decode_extra=["--reservation-timeout-s", "20"]) as pair:
         yield pair
 
 
@@ -45,7 +45,7 @@ def _colocated_engine():
         _ENGINE["e"] = Engine(EngineConfig(
             model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
             cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
-            device=DeviceConfig(device=procs.DEVICE)))
+            device=DeviceConfig(device=harness.DEVICE)))
     return _ENGINE["e"]
 
 
@@ -158,7 +158,7 @@ async def test_health_reflection_metrics(services):
 
 async def test_killed_decode_errors_within_seconds(services):
     pre, _ = services
-    dec = procs.start("decode_svc")
+    dec = harness.start_service("decode_svc")
     c = Client(pre.address, dec.address)
     try:
         params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
@@ -264,7 +264,7 @@ async def test_reserve_retry_replaces_unclaimed_reservation(client):
     await _wait_idle(client)
 
 
-@pytest.mark.skipif(procs.DEVICE == "cpu", reason="CUDA graphs exist only on a GPU (SPLITSERVE_TEST_DEVICE=cuda)")
+@pytest.mark.skipif(harness.DEVICE == "cpu", reason="CUDA graphs exist only on a GPU (SPLITSERVE_TEST_DEVICE=cuda)")
 async def test_gpu_decode_serves_through_captured_graphs(client, services):
     """On a GPU the decode service captures its batch buckets at start and serves decode steps
     by replaying them: its /metrics show captured graphs and decode replays growing."""

@@ -14,14 +14,14 @@ from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import common_pb2
-from tests.services import procs
+from tests import harness
 from tests.services.client import Client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120),
               # on CUDA the dist backend is NCCL, which needs prefill and decode on different
-              # GPUs: on one GPU the prefill falls back to grpc by design (dist_backend.py,
+              # GPUs: on one GPU the prefill falls back to grpc by design (kvtransfer/backends/dist.py,
               # tests/kvtransfer); the lent GPU machine has one
-              pytest.mark.skipif(procs.DEVICE != "cpu", reason="dist over NCCL needs two GPUs")]
+              pytest.mark.skipif(harness.DEVICE != "cpu", reason="dist over NCCL needs two GPUs")]
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 23, 40)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -30,21 +30,15 @@ DIST = ["--kv-transfer-backend", "dist"]
 
 @pytest.fixture(scope="module")
 def services():
-    launches = {"prefill": procs.spawn("prefill_svc", DIST), "decode": procs.spawn("decode_svc", DIST),
-                "decode_grpc": procs.spawn("decode_svc")}
-    try:  # all three boot in parallel
-        yield {k: procs.wait_ready(v) for k, v in launches.items()}
-    finally:
-        for _m, p, _r, _l in launches.values():
-            if p.poll() is None:
-                p.terminate()
-                p.wait(10)
+    with harness.service_group(prefill=("prefill_svc", DIST), decode=("decode_svc", DIST),
+                               decode_grpc=("decode_svc", [])) as procs:  # all three boot in parallel
+        yield procs
 
 
 def _colocated(prompts):
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
                               cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
-                              device=DeviceConfig(device=procs.DEVICE)))
+                              device=DeviceConfig(device=harness.DEVICE)))
     return eng.generate(prompts, GREEDY)
 
 

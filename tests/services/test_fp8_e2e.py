@@ -7,7 +7,7 @@ import pytest
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.services import procs
+from tests import harness
 from tests.services.client import Client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
@@ -15,20 +15,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
 async def test_fp8_kv_disagg_equals_colocated():
     extra = ["--kv-cache-dtype", "fp8_e4m3"]
-    launches = [procs.spawn("prefill_svc", extra), procs.spawn("decode_svc", extra)]
-    pre, dec = procs.wait_ready(launches[0]), procs.wait_ready(launches[1])
-    c = Client(pre.address, dec.address)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompt = list(range(3, 40))
-    try:
-        got, _ = await c.generate("fp8", prompt, params)
-    finally:
-        await c.close()
-        pre.stop()
-        dec.stop()
+    with harness.service_pair(extra, extra) as (pre, dec):
+        c = Client(pre.address, dec.address)
+        try:
+            got, _ = await c.generate("fp8", prompt, params)
+        finally:
+            await c.close()
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
                               cache=CacheConfig(num_blocks=64, kv_cache_dtype="fp8_e4m3"),
-                              device=DeviceConfig(device=procs.DEVICE)))
+                              device=DeviceConfig(device=harness.DEVICE)))
     eng.add_request("fp8", prompt, params)
     want = []
     while eng.has_unfinished():

@@ -14,7 +14,7 @@ import pytest
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.services import procs
+from tests import harness
 from tests.services.client import take_tokens
 from tests.services.test_disagg_e2e import _wait_idle
 
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def services():
     on = ["--async-scheduling", "on"]
-    with procs.service_pair(on, [*on, "--reservation-timeout-s", "20"]) as pair:
+    with harness.service_pair(on, [*on, "--reservation-timeout-s", "20"]) as pair:
         yield pair
 
 
@@ -40,7 +40,7 @@ def _metric(port: int, name: str) -> float:
 async def test_staggered_requests_equal_the_synchronous_engine(client, services):
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
                               cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
-                              device=DeviceConfig(device=procs.DEVICE)))
+                              device=DeviceConfig(device=harness.DEVICE)))
     want = eng.generate(PROMPTS, GREEDY)
 
     async def late(i):

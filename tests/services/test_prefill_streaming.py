@@ -15,8 +15,8 @@ from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from kvtransfer import KVLayout, KVSender, SendTransfer, Transfer, TransferError
+from kvtransfer.backends.pair_client import PairUnavailable
 from kvtransfer.endpoint import PairEndpoint
-from kvtransfer.pair_client import PairUnavailable
 from prefill_svc.kv_push import KVPusher
 from prefill_svc.servicer import PrefillServicer
 from protos import common_pb2, prefill_pb2

@@ -12,7 +12,7 @@ from common.service_args import engine_config_from_args
 from engine.config import ConfigError
 from prefill_svc.__main__ import parse_args as prefill_args
 from decode_svc.__main__ import parse_args as decode_args
-from tests.services.procs import ROOT
+from tests.harness import ROOT
 
 
 def test_env_defaults_and_flags_win(monkeypatch):
@@ -94,7 +94,11 @@ def test_skinny_gemm_flag(monkeypatch):
 
 
 def test_kv_transfer_backend_flag_and_env(monkeypatch):
-    from common.service_args import kv_backend_from_args
+    from common.service_args import kv_backend_from_args as from_args
+    from kvtransfer.endpoint import BACKENDS, backend_unavailable
+
+    def kv_backend_from_args(a):
+        return from_args(a, BACKENDS, backend_unavailable)
 
     assert kv_backend_from_args(prefill_args([])) == "grpc"  # default
     monkeypatch.setenv("SPLITSERVE_KV_TRANSFER_BACKEND", "dist")

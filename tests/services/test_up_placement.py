@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from splitserve_cli import up
-from tests.services.procs import ROOT
+from tests.harness import ROOT
 
 
 def _args(*argv):

@@ -6,7 +6,6 @@ A real-nixl smoke test runs only where the package imports."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import subprocess
 import sys
 
@@ -16,79 +15,17 @@ import torch
 from common.grpc_util import create_server
 from engine.kv_blocks import KVBlocks
 from kvtransfer import KVLayout, KVReceiver, TransferError, TransferState, send_blocks
+from kvtransfer.backends.nixl import (GuardedSink, InflightGuard, NixlKVSender, NixlPlane,
+                                      block_bytes, layer_block_descs, make_agent, merge_contiguous,
+                                      nixl_available, register_kv_caches)
+from kvtransfer.backends.pair_service import KVTransferService
 from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
 from kvtransfer.loopback import MemorySink
-from kvtransfer.nixl_backend import (GuardedSink, InflightGuard, NixlKVSender, NixlPlane,
-                                     block_bytes, layer_block_descs, make_agent, merge_contiguous,
-                                     nixl_available, register_kv_caches)
-from kvtransfer.pair_service import KVTransferService
 from protos import kvtransfer_pb2_grpc
-from tests.services.procs import ROOT
+from tests.harness import ROOT
+from tests.kvtransfer.backends.fake_nixl import FakeAgent
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class FakeAgent:
-    """The slice of nixl_agent the adapter uses. READ copies remote -> local with memmove after
-    checking both ranges lie in memory registered with the right agent."""
-
-    agents: dict[str, "FakeAgent"] = {}
-
-    def __init__(self, name: str, hold: asyncio.Event | None = None):
-        self.name = name
-        self.regions: list[tuple[int, int]] = []
-        self.peers: set[str] = set()
-        self.reads: list[int] = []       # descriptors per READ
-        self.released = 0
-        self.hold = hold                 # READs stay "PROC" until this is set
-        FakeAgent.agents[name] = self
-
-    def get_agent_metadata(self) -> bytes:
-        return f"fake:{self.name}".encode()
-
-    def add_remote_agent(self, md: bytes) -> str:
-        name = md.decode().split(":", 1)[1]
-        self.peers.add(name)
-        return name
-
-    def remove_remote_agent(self, name):
-        self.peers.discard(name)
-
-    def register_memory(self, tensors):
-        for t in tensors:
-            self.regions.append((t.data_ptr(), t.numel() * t.element_size()))
-        return ("reg", len(tensors))
-
-    def get_xfer_descs(self, descs, mem_type):
-        assert mem_type in ("DRAM", "VRAM")
-        return list(descs)
-
-    def initialize_xfer(self, op, local, remote, peer, notif):
-        assert op == "READ" and peer in self.peers, (op, peer)
-        assert len(local) == len(remote)
-        return {"local": local, "remote": remote, "peer": peer, "done": False}
-
-    def transfer(self, h):
-        return "PROC"
-
-    def check_xfer_state(self, h):
-        if self.hold is not None and not self.hold.is_set():
-            return "PROC"
-        if not h["done"]:
-            remote = FakeAgent.agents[h["peer"]]
-            for (la, ln, _), (ra, rn, _) in zip(h["local"], h["remote"]):
-                if not (self._registered(la, ln) and remote._registered(ra, rn)):
-                    return "ERR"
-                ctypes.memmove(la, ra, ln)
-            h["done"] = True
-            self.reads.append(len(h["local"]))
-        return "DONE"
-
-    def release_xfer_handle(self, h):
-        self.released += 1
-
-    def _registered(self, addr, n):
-        return any(a <= addr and addr + n <= a + ln for a, ln in self.regions)
 
 
 def _layout(dtype="bf16", layers=3):

@@ -11,7 +11,7 @@ import torch
 
 from common.grpc_util import channel_options, create_server
 from kvtransfer import KVLayout, KVReceiver, TransferError, TransferState, send_blocks
-from kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
+from kvtransfer.backends.grpc import GrpcKVSender, KVTransferServicer
 from engine.kv_blocks import KVBlocks
 from tests.kvtransfer._util import random_blocks
 from protos import kvtransfer_pb2, kvtransfer_pb2_grpc

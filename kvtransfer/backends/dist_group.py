@@ -28,7 +28,7 @@ Hazards:
 - NOTE: NCCL ops run on this thread's own CUDA stream after waiting for the layer's event, so
   a send never waits for work queued on the engine's stream after that layer (later layers).
   Received CUDA buffers come from that stream: their consumer must `record_stream` the stream
-  it reads them on before dropping them (kvtransfer.pair_service does).
+  it reads them on before dropping them (kvtransfer.backends.pair_service does).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Prefill side:  DistKVSender (a PairKVSender) -> DistPairClient per decode addres
                hello, joins the group as rank 0, sends each layer's bytes on the group thread.
 Decode side:   DistRendezvous (the TCPStore pairs meet on, advertised in Reserve tickets) and
                DistPlane (joins as rank 1, one recv per header, in header order), used by
-               kvtransfer.pair_service.KVTransferService.
+               kvtransfer.backends.pair_service.KVTransferService.
 
 Devices: gloo on CPU caches, NCCL on CUDA caches; KV stays on its device (no host staging for
 NCCL). A mixed pair (one side on CPU) is not offered; prefill falls back to grpc.
@@ -30,11 +30,11 @@ import threading
 
 import torch
 
-from kvtransfer.dist_group import PairGroup
+from kvtransfer.backends.dist_group import PairGroup
+from kvtransfer.backends.pair_client import PairClient
+from kvtransfer.backends.pair_sender import PairKVSender
+from kvtransfer.backends.pair_service import RecvPlane
 from kvtransfer.endpoint import PairEndpoint, pair_transport, same_gpu
-from kvtransfer.pair_client import PairClient
-from kvtransfer.pair_sender import PairKVSender
-from kvtransfer.pair_service import RecvPlane
 from kvtransfer.state import TransferError
 from protos import kvtransfer_pb2
 

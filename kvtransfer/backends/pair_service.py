@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from engine.kv_blocks import NAME_DTYPES
-from kvtransfer.grpc_backend import KVTransferServicer
+from kvtransfer.backends.grpc import KVTransferServicer
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.state import TransferError
 from protos import kvtransfer_pb2

@@ -17,9 +17,9 @@ import time
 import grpc
 
 from common.grpc_util import channel_options
+from kvtransfer.backends.pair_client import PairClient, PairSendTransfer, PairUnavailable, _retrieve
 from kvtransfer.base import KVSender
 from kvtransfer.endpoint import PairEndpoint
-from kvtransfer.pair_client import PairClient, PairSendTransfer, PairUnavailable, _retrieve
 from kvtransfer.state import SendRecords, Transfer, TransferError
 
 

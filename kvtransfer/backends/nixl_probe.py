@@ -1,5 +1,5 @@
 """Whether the nixl package is importable, without importing the nixl backend (which pulls
-in the pair service): the CLI's argument checks use this."""
+in the pair service): the services' flag check (endpoint.backend_unavailable) uses this."""
 from __future__ import annotations
 
 NOT_INSTALLED = ("nixl is not installed (pip install nixl; it also needs UCX): "

@@ -15,10 +15,10 @@ import torch
 
 from engine.kv_blocks import KVBlocks
 from kvtransfer import KVLayout, TransferError, TransferState, send_blocks
-from kvtransfer.dist_backend import DistKVSender
+from kvtransfer.backends.dist import DistKVSender
+from kvtransfer.backends.pair_client import PairUnavailable
 from kvtransfer.endpoint import PairEndpoint
 from kvtransfer.loopback import ReceiverProc
-from kvtransfer.pair_client import PairUnavailable
 from tests.kvtransfer._util import random_blocks
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,7 +202,7 @@ async def test_unreachable_store_is_pair_unavailable(receivers):
 
 
 def test_receive_buffer_pool_reuses_the_smallest_fit():
-    from kvtransfer.dist_backend import DistPlane
+    from kvtransfer.backends.dist import DistPlane
 
     plane = DistPlane(None, PairEndpoint("cpu"))
     a, b, c = plane._buffer(3 << 20), plane._buffer(1 << 20), plane._buffer(2 << 20)

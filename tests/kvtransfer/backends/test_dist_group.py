@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer.dist_group import PairGroup
+from kvtransfer.backends.dist_group import PairGroup
 from kvtransfer.state import TransferError
 
 pytestmark = pytest.mark.timeout(30)

@@ -15,7 +15,7 @@ from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from kvtransfer import KVLayout, KVReceiver, TransferState, send_blocks
-from kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
+from kvtransfer.backends.grpc import GrpcKVSender, KVTransferServicer
 from protos import kvtransfer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

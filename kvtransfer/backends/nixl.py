@@ -1,12 +1,11 @@
 """nixl backend: KV layers move by NIXL one-sided READs (UCX: RDMA between hosts, NVLink /
 CUDA IPC within one), behind the same KVSender / KVReceiver interfaces as the others.
 
-NEVER RUN against a real `nixl` install: none was available where this was written (no
-package, no RDMA NIC). The flow, the descriptor arithmetic and the failure handling are tested
-with a fake agent that copies memory (tests/kvtransfer/test_nixl_backend.py); the calls into
-nixl follow its Python API (nixl._api.nixl_agent: register_memory, get_agent_metadata,
-add_remote_agent, get_xfer_descs, initialize_xfer, transfer, check_xfer_state,
-release_xfer_handle, remove_remote_agent). Expect to debug it on the first real machine.
+Not yet run against a real `nixl` install. The flow, the descriptor arithmetic and the
+failure handling are tested with a fake agent that copies memory
+(tests/kvtransfer/backends/fake_nixl.py); the calls into nixl follow its Python API
+(nixl._api.nixl_agent: register_memory, get_agent_metadata, add_remote_agent, get_xfer_descs,
+initialize_xfer, transfer, check_xfer_state, release_xfer_handle, remove_remote_agent).
 
 Design (pull, like the NIXL connectors of vLLM and Dynamo, but our own code):
 - one agent per process; prefill registers a staging pool once, decode registers its KV cache
@@ -38,11 +37,11 @@ from typing import Awaitable, Callable, Sequence
 
 import torch
 
+from kvtransfer.backends.nixl_probe import NOT_INSTALLED, nixl_available  # noqa: F401 - re-exported
+from kvtransfer.backends.pair_client import PairClient, PairSendTransfer
+from kvtransfer.backends.pair_sender import PairKVSender
+from kvtransfer.backends.pair_service import RecvPlane
 from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
-from kvtransfer.nixl_probe import NOT_INSTALLED, nixl_available  # noqa: F401 - re-exported
-from kvtransfer.pair_client import PairClient, PairSendTransfer
-from kvtransfer.pair_sender import PairKVSender
-from kvtransfer.pair_service import RecvPlane
 from kvtransfer.state import KVLayout, TransferError
 from protos import kvtransfer_pb2
 

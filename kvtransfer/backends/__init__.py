@@ -1,0 +1,1 @@
+"""The KV transfer backends (the map is in kvtransfer/__init__.py)."""
