@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kernels.options import DecodeTile, KernelOptions  # noqa: F401 (re-exported)
+
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
 # --async-scheduling choices -> SchedulerConfig.async_scheduling
 ASYNC_SCHEDULING = {"auto": None, "on": True, "off": False}
@@ -49,6 +51,9 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     num_blocks: int | None = None  # explicit block count wins over both
     enable_prefix_caching: bool = True
+    # The KV pool in memory another process of the host can map (engine/kv_memory.py), for the
+    # pool KV-transfer backends (vmm, shm); plain torch memory otherwise.
+    shareable: bool = False
 
     def __post_init__(self) -> None:
         _check(self.block_size in (16, 32), f"block_size must be 16 or 32, got {self.block_size}")
@@ -140,6 +145,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    # launch choices of the Triton kernels (engine/kernels/options.py); the defaults serve
+    kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         s = self.scheduler

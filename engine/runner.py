@@ -14,6 +14,7 @@ Both kinds share one memory pool; see engine/graphs.py.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.graphs import put_tokens
+from engine.kv_memory import allocate_pool
 from engine.layers.attention import AttentionMetadata, KVScales
 from engine.layers.sampler import Sampler, SamplingBatch
 
@@ -82,6 +84,7 @@ class ModelRunner:
         self.step_times: list[float] = []
         self.graphs = None  # DecodeGraphRunner once captured
         self.prefill_graphs = None  # PrefillGraphRunner once captured
+        model.set_kernels(cfg.kernels)
         model.skinny_max_m, model.skinny_rows = self._skinny_batches()
 
     def _skinny_batches(self) -> tuple[int, frozenset[int] | None]:
@@ -95,7 +98,9 @@ class ModelRunner:
             log.warning("skinny GEMM kernels unavailable (triton import failed): decode uses cuBLAS")
             return 0, None
         # an explicit --skinny-gemm-max-batch means every batch up to it
-        m, rows = (want, None) if want is not None else (tuned_max_m(self.device), tuned_rows(self.device))
+        table = self.cfg.kernels.skinny_table
+        m, rows = (want, None) if want is not None else (tuned_max_m(self.device, table),
+                                                         tuned_rows(self.device, table))
         if rows is None:
             log.info("decode matmuls: fused skinny-GEMM kernels for batches <= %d, cuBLAS above", m)
         else:
@@ -131,14 +136,21 @@ class ModelRunner:
 
     def allocate_kv(self, num_blocks: int) -> None:
         a = self.arch
-        shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(a.num_layers)]
+        # one allocation for every layer: a peer maps it whole (engine/kv_memory.py) and a
+        # block's layers move in one gather (kv_block_view)
+        shape = (a.num_layers, 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        self.kv_pool = allocate_pool(math.prod(shape) * elem, self.device, self.cfg.cache.shareable)
+        self.kv_caches = list(self.kv_pool.tensor.view(self.kv_dtype).view(shape).unbind(0))
         if self.kv_dtype == torch.float8_e4m3fn:
             self.kv_scales = KVScales(a.num_layers, self.device)
         self.num_blocks = num_blocks
         log.info("kv cache: %d blocks x %d tokens, %s, %.1f MiB", num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block() / 2**20)
+
+    def kv_block_view(self) -> torch.Tensor:
+        """The KV pool as uint8 [num_layers * 2, num_blocks, block_bytes] (K and V of each layer)."""
+        return self.kv_pool.tensor.view(2 * self.arch.num_layers, self.num_blocks, -1)
 
     def maybe_capture_graphs(self, max_model_len: int, backend_name: str) -> None:
         d = self.cfg.device
