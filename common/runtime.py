@@ -1,8 +1,8 @@
 """Process runtime shared by prefill_svc and decode_svc: engine thread, gRPC server with
-health + reflection, /metrics port, tracing, graceful stop on SIGINT/SIGTERM.
+health + reflection, /metrics port, graceful stop on SIGINT/SIGTERM.
 
-Tracing and metrics come from common/telemetry.py and common/metrics.py (owned by the gateway
-side); when those cannot be imported the services run with no-op fallbacks.
+Tracing helpers are common/telemetry.py's, metrics common/metrics.py's; the services use them
+directly.
 """
 from __future__ import annotations
 
@@ -13,63 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from common import telemetry
 from common.grpc_util import (add_health_and_reflection, bind, create_server, set_serving,
                               wait_for_signal)
+from common.metrics import get_metrics
 from common.service_args import write_ready_file
 
 log = logging.getLogger("splitserve.runtime")
-
-try:  # tracing
-    from common import telemetry as _tel
-except Exception:  # noqa: BLE001 - optional dependency of the services
-    _tel = None
-try:  # metrics
-    from common import metrics as _metrics
-except Exception:  # noqa: BLE001
-    _metrics = None
-
-
-def setup_tracing(service: str) -> None:
-    if _tel is not None:
-        _tel.setup_tracing(service)
-
-
-def server_span(name: str, context, attributes: dict | None = None):
-    """SERVER span continuing the caller's W3C trace context from gRPC metadata."""
-    if _tel is None:
-        return contextlib.nullcontext(None)
-    return _tel.server_span(name, context.invocation_metadata() or (), attributes=attributes)
-
-
-def span(name: str, attributes: dict | None = None):
-    """INTERNAL span under the current one (no-op without telemetry)."""
-    if _tel is None:
-        return contextlib.nullcontext(None)
-    return _tel.span(name, attributes=attributes)
-
-
-def trace_metadata() -> tuple:
-    """Metadata carrying the current trace context to a downstream call."""
-    return _tel.inject_metadata() if _tel is not None else ()
-
-
-def set_span_attrs(sp, attributes: dict) -> None:
-    if sp is not None and _tel is not None:
-        _tel.set_attrs(sp, attributes)
-
-
-class _NoMetrics:
-    """Accepts any metric call and does nothing (common/metrics.py missing)."""
-
-    def __getattr__(self, name):
-        return self
-
-    def __call__(self, *a, **k):
-        return self
-
-
-def get_metrics(service: str):
-    return _metrics.get_metrics(service) if _metrics is not None else _NoMetrics()
 
 
 @dataclass
@@ -104,7 +54,7 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
         started(port)
     await server.start()
     mport = None
-    if args.metrics_port is not None and _metrics is not None:
+    if args.metrics_port is not None:
         mport = metrics.serve(args.metrics_port, args.host)
     updater = asyncio.get_running_loop().create_task(_update_metrics(metrics, engine))
     await set_serving(hs, names, True)
@@ -131,9 +81,8 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
         await engine.stop()
         if mport is not None:
             metrics.stop_serving()
-        if _tel is not None:
-            with contextlib.suppress(Exception):
-                _tel.shutdown_tracing()
+        with contextlib.suppress(Exception):
+            telemetry.shutdown_tracing()
     return rc
 
 

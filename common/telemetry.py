@@ -233,7 +233,10 @@ def span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: dict | No
 
 @contextlib.contextmanager
 def server_span(name: str, metadata, *, attributes: dict | None = None) -> Iterator:
-    """A SERVER span that continues the caller's trace from its gRPC metadata."""
+    """A SERVER span that continues the caller's trace from its gRPC metadata (or from the
+    servicer context it came with: context.invocation_metadata())."""
+    if hasattr(metadata, "invocation_metadata"):
+        metadata = metadata.invocation_metadata() or ()
     with span(name, kind=SpanKind.SERVER, attributes=attributes,
               context=extract_context(metadata)) as sp:
         yield sp

@@ -29,7 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def amain(args) -> int:
-    from common import runtime
+    from common import runtime, telemetry
+    from common.metrics import get_metrics
     from decode_svc.kv_sink import EngineKVSink
     from decode_svc.servicer import SERVICE_NAME, DecodeServicer
     from engine.async_engine import AsyncEngine
@@ -41,7 +42,7 @@ async def amain(args) -> int:
     backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
     # NOTE: prefix caching is off on decode: its blocks are written by transfers, not computed
     cfg = engine_config_from_args(args, prefix_caching=False, role="decode")
-    runtime.setup_tracing("splitserve-decode")
+    telemetry.setup_tracing("splitserve-decode")
     engine = AsyncEngine(cfg)
     holder = {}
     host = pair_host(args.advertise_address.rpartition(":")[0] if args.advertise_address else args.host)
@@ -79,7 +80,7 @@ async def amain(args) -> int:
             pair = local_endpoint(info["device"])
             accepted = ["nixl", "grpc"]
         rx = KVReceiver(sink, layout, default_timeout_s=args.reservation_timeout_s)
-        svc = DecodeServicer(engine, rx, runtime.get_metrics("decode"),
+        svc = DecodeServicer(engine, rx, get_metrics("decode"),
                              reservation_timeout_s=args.reservation_timeout_s,
                              transfer_timeout_s=args.transfer_timeout_s, owner=owner,
                              kv_backends=accepted, pair=pair)

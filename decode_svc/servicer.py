@@ -20,7 +20,8 @@ import uuid
 import grpc
 
 from common.convert import FINISH_REASONS, load_to_pb, logprob_to_pb, params_from_pb
-from common.runtime import Rate, server_span, set_span_attrs
+from common.runtime import Rate
+from common.telemetry import server_span, set_attrs
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVReceiver, TransferError
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2
@@ -52,7 +53,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     # ---- Reserve ----------------------------------------------------------------------
     async def Reserve(self, request: decode_pb2.ReserveRequest, context):
         rid, n = request.request_id, request.num_prompt_tokens
-        with server_span("decode.reserve", context, {"splitserve.request_id": rid}):
+        with server_span("decode.reserve", context, attributes={"splitserve.request_id": rid}):
             if not rid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
             if rid in self._running:
@@ -109,7 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     # ---- Decode -----------------------------------------------------------------------
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
         rid, tid = request.request_id, request.transfer_id
-        with server_span("decode", context, {"splitserve.request_id": rid}) as sp:
+        with server_span("decode", context, attributes={"splitserve.request_id": rid}) as sp:
             t = self.receiver.get(tid)
             if t is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
@@ -146,8 +147,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._disown(rid, tid)
             wait_ms = (time.perf_counter() - t0) * 1e3
             self.metrics.observe_kv_transfer("recv", transfer.bytes_moved, transfer.transfer_s)
-            set_span_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved,
-                                "splitserve.kv.wait_ms": wait_ms})
+            set_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved, "splitserve.kv.wait_ms": wait_ms})
             try:
                 # NOTE: aclosing: a cancel that lands while we sit at `yield` still closes _stream
                 async with contextlib.aclosing(self._stream(rid, request, params, wait_ms)) as st:

@@ -27,7 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def amain(args) -> int:
-    from common import runtime
+    from common import runtime, telemetry
+    from common.metrics import get_metrics
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout
     from kvtransfer.backends.grpc import GrpcKVSender
@@ -38,7 +39,7 @@ async def amain(args) -> int:
 
     backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
     cfg = engine_config_from_args(args, prefix_caching=True)
-    runtime.setup_tracing("splitserve-prefill")
+    telemetry.setup_tracing("splitserve-prefill")
     engine = AsyncEngine(cfg)
     holder = {}
 
@@ -57,7 +58,7 @@ async def amain(args) -> int:
             from kvtransfer.backends.nixl import NixlKVSender
 
             senders["nixl"] = NixlKVSender(local, staging_bytes=args.kv_nixl_staging_mb << 20, **pair_kw)
-        metrics = runtime.get_metrics("prefill")
+        metrics = get_metrics("prefill")
         pusher = holder["pusher"] = KVPusher(senders, backend, local, layout, metrics,
                                              args.transfer_timeout_s)
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(engine, pusher, metrics), server)

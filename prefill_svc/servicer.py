@@ -17,7 +17,8 @@ import time
 import grpc
 
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
-from common.runtime import Rate, server_span, set_span_attrs, span, trace_metadata
+from common.runtime import Rate
+from common.telemetry import inject_metadata, server_span, set_attrs, span
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import TransferError
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -52,8 +53,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context):
         rid = request.request_id
-        with server_span("prefill", context, {"splitserve.request_id": rid,
-                                              "splitserve.prompt_tokens": len(request.prompt_token_ids)}) as sp:
+        attrs = {"splitserve.request_id": rid, "splitserve.prompt_tokens": len(request.prompt_token_ids)}
+        with server_span("prefill", context, attributes=attrs) as sp:
             t_in = time.perf_counter()
             try:
                 if not rid:
@@ -82,8 +83,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 except InvalidRequestError as e:  # e.g. a duplicate id: nothing of ours is held
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 added = True
-                with span("kv.send", {"splitserve.kv.backend": route.backend}) as ksp:
-                    push = loop.create_task(self.pusher.push(route, ticket, rid, layers, trace_metadata()))
+                with span("kv.send", attributes={"splitserve.kv.backend": route.backend}) as ksp:
+                    push = loop.create_task(self.pusher.push(route, ticket, rid, layers, inject_metadata()))
                     push.add_done_callback(_retrieve)  # an early failure is read below (or moot)
                     first = None
                     try:
@@ -107,7 +108,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         self.metrics.kv_transfer_failures.labels(direction="send").inc()
                         await context.abort(grpc.StatusCode.UNAVAILABLE,
                                             f"KV transfer to decode failed: {str(e) or 'timed out'}")
-                    set_span_attrs(ksp, {"splitserve.kv.backend": backend, "splitserve.kv.bytes": nbytes})
+                    set_attrs(ksp, {"splitserve.kv.backend": backend, "splitserve.kv.bytes": nbytes})
                 t_sent = time.perf_counter()
                 ok = True
             except BaseException:
@@ -128,9 +129,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             tok = first.new_token_ids[0]
             lp = logprob_to_pb(first.logprobs[0], tok) if first.logprobs else None
             n_blocks = -(-len(prompt) // self.layout.block_size)
-            set_span_attrs(sp, {"splitserve.kv.bytes": nbytes, "splitserve.kv.blocks": n_blocks,
-                                "splitserve.kv.backend": backend,
-                                "gen_ai.usage.cached_tokens": first.num_cached_tokens})
+            set_attrs(sp, {"splitserve.kv.bytes": nbytes, "splitserve.kv.blocks": n_blocks,
+                           "splitserve.kv.backend": backend,
+                           "gen_ai.usage.cached_tokens": first.num_cached_tokens})
             return prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=tok, first_logprob=lp,
                 num_prompt_tokens=first.num_prompt_tokens or len(prompt),

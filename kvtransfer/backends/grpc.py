@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from common.grpc_util import channel_options
+from common.telemetry import server_span, set_attrs
 from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES
 from kvtransfer.base import KVSender, SendTransfer
 from kvtransfer.receiver import KVReceiver
@@ -39,12 +40,10 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
         self.receiver = receiver
 
     async def PushKV(self, request_iterator, context):
-        from common.runtime import server_span, set_span_attrs
-
-        with server_span("kv.receive", context, {"splitserve.kv.backend": "grpc"}) as sp:
+        with server_span("kv.receive", context, attributes={"splitserve.kv.backend": "grpc"}) as sp:
             ack = await self._push(request_iterator)
-            set_span_attrs(sp, {"splitserve.kv.bytes": ack.bytes_received, "splitserve.ok": ack.ok,
-                                "splitserve.kv.layers": ack.layers_received})
+            set_attrs(sp, {"splitserve.kv.bytes": ack.bytes_received, "splitserve.ok": ack.ok,
+                           "splitserve.kv.layers": ack.layers_received})
             return ack
 
     async def _push(self, request_iterator):
