@@ -1,0 +1,285 @@
+"""Load generation for bench/pd_system.py: the same cases driven through the engine in-process
+and through the running gateway (gRPC Generate, or REST SSE), all recorded as Traces.
+
+A Trace is one request seen by its client: when it was sent and when each message with new
+tokens arrived (time, how many tokens). Everything else (TTFT, TPOT, inter-token gaps, tokens/s)
+is computed from traces by the same functions for both sides.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Trace:
+    t_send: float
+    events: list[tuple[float, int]] = field(default_factory=list)  # (arrival, new tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(n for _, n in self.events)
+
+    def token_times(self) -> list[float]:
+        """One time per token; a message carrying n tokens spreads its gap over them evenly
+        (as the gateway's own ITL metric does)."""
+        out, prev = [], None
+        for t, n in self.events:
+            if prev is None:  # the first message: its first token is the TTFT, the rest follow
+                out += [t] * n
+            else:
+                out += [prev + (t - prev) * (k + 1) / n for k in range(n)]
+            prev = t
+        return out
+
+
+def percentile(xs, q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); nan for no data."""
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def trace_stats(traces: list[Trace]) -> dict:
+    """tok_s: all output tokens / (last token - first send); tpot_ms: median over requests of
+    (last - first token) / (n - 1); itl_*: gaps between consecutive tokens of one request over
+    the whole run, and only those starting after every request had its first token (no prompt
+    being prefilled / its KV arriving any more)."""
+    done = [t for t in traces if t.events]
+    if not done:
+        raise RuntimeError("no request produced a token")
+    times = [t.token_times() for t in done]
+    all_first = max(ts[0] for ts in times)
+    gaps, late = [], []
+    for ts in times:
+        for a, b in zip(ts, ts[1:]):
+            gaps.append(b - a)
+            if a >= all_first:
+                late.append(b - a)
+    tpots = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1]
+    t0, t1 = min(t.t_send for t in done), max(ts[-1] for ts in times)
+    n = sum(len(ts) for ts in times)
+    return {"requests": len(traces), "completed": len(done), "tokens": n,
+            "wall_s": t1 - t0, "tok_s": n / (t1 - t0) if t1 > t0 else float("nan"),
+            "ttft_ms_median": percentile([ts[0] - t.t_send for t, ts in zip(done, times)], 50) * 1e3,
+            "tpot_ms": percentile(tpots, 50) * 1e3,
+            "itl_ms_median": percentile(gaps, 50) * 1e3, "itl_ms_p99": percentile(gaps, 99) * 1e3,
+            "itl_after_first_ms_median": percentile(late, 50) * 1e3,
+            "itl_after_first_ms_p99": percentile(late, 99) * 1e3, "itl_after_first_gaps": len(late)}
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids clear of the low (byte / control) and high (llama-3 special) ids."""
+    rng = random.Random(seed)
+    lo, hi = min(100, vocab // 4), min(vocab, 128000)
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+# ---- the engine alone, in-process ----------------------------------------------------------
+
+def run_engine(eng, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None,
+               tag: str = "r") -> list[Trace]:
+    """All prompts added at once (a closed loop of len(prompts) clients, one request each),
+    then Engine.step() until they finish; token arrival = when step() returned it."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=logprobs)
+    traces = {}
+    stamp = time.monotonic_ns()
+    try:
+        for i, p in enumerate(prompts):
+            rid = f"{tag}-{stamp}-{i}"
+            traces[rid] = Trace(time.perf_counter())
+            eng.add_request(rid, p, params)
+        while eng.has_unfinished():
+            outs = eng.step()
+            now = time.perf_counter()
+            for o in outs:
+                if o.new_token_ids and o.request_id in traces:
+                    traces[o.request_id].events.append((now, len(o.new_token_ids)))
+    except BaseException:
+        for rid in traces:  # nothing of a failed case runs on into the next one
+            eng.abort(rid)
+        raise
+    return list(traces.values())
+
+
+# ---- the whole system, through the gateway -------------------------------------------------
+
+async def grpc_one(stub, prompt: list[int], max_tokens: int, logprobs: int | None,
+                   timeout_s: float) -> Trace:
+    """One streaming Generate call, token ids in and out (skip_text: exact per-token times)."""
+    from protos import generate_pb2 as pb
+
+    sampling = pb.SamplingParams(temperature=0.0)
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling,
+                             max_tokens=max_tokens, ignore_eos=True, skip_text=True)
+    tr = Trace(time.perf_counter())
+    async for m in stub.Generate(req, timeout=timeout_s):
+        if m.token_ids:
+            tr.events.append((time.perf_counter(), len(m.token_ids)))
+    return tr
+
+
+def parse_sse(buf: bytes) -> tuple[list, bytes]:
+    """Complete SSE events in buf -> (list of parsed `data:` payloads, the incomplete rest).
+    '[DONE]' stays a string; other payloads are JSON."""
+    out = []
+    buf = buf.replace(b"\r\n", b"\n")
+    while b"\n\n" in buf:
+        raw, buf = buf.split(b"\n\n", 1)
+        data = [ln[5:].lstrip() for ln in raw.split(b"\n") if ln.startswith(b"data:")]
+        if not data:
+            continue  # comments / keep-alives
+        text = b"\n".join(data).decode()
+        out.append(text if text == "[DONE]" else json.loads(text))
+    return out, buf
+
+
+def sse_tokens(ev: dict) -> int:
+    """Tokens a /v1/completions stream chunk carries as far as the client can tell: its
+    logprobs entries when asked, else one per chunk with a choice (a token whose text is empty
+    is not sent at all; rest_one puts the tokens the usage counts but no chunk showed on the
+    last one)."""
+    ch = (ev.get("choices") or [None])[0]
+    if ch is None:
+        return 0
+    lp = ch.get("logprobs")
+    return len(lp["tokens"]) if lp and lp.get("tokens") is not None else 1
+
+
+async def rest_one(session, url: str, model: str, prompt: list[int], max_tokens: int,
+                   logprobs: int | None, timeout_s: float) -> Trace:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    import aiohttp
+
+    tr = Trace(time.perf_counter())
+    usage, buf = None, b""
+    async with session.post(url + "/v1/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        async for part in r.content.iter_any():
+            now = time.perf_counter()
+            evs, buf = parse_sse(buf + part)
+            for ev in evs:
+                if ev == "[DONE]":
+                    continue
+                if "error" in ev:
+                    raise RuntimeError(f"stream error: {ev['error'].get('message')}")
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                n = sse_tokens(ev)
+                if n:
+                    tr.events.append((now, n))
+    if usage and tr.events and usage["completion_tokens"] > tr.n_tokens:
+        t, n = tr.events[-1]
+        tr.events[-1] = (t, n + usage["completion_tokens"] - tr.n_tokens)
+    return tr
+
+
+async def run_system(api: str, addr: str, model: str, prompts: list[list[int]], max_tokens: int,
+                     logprobs: int | None = None, timeout_s: float = 600.0) -> list[Trace]:
+    """len(prompts) concurrent streaming clients, one request each; raises the first error."""
+    import asyncio
+
+    if api == "grpc":
+        import grpc
+
+        from protos import generate_pb2_grpc
+
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            return list(await asyncio.gather(*(grpc_one(stub, p, max_tokens, logprobs, timeout_s)
+                                               for p in prompts)))
+    import aiohttp
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        return list(await asyncio.gather(*(rest_one(s, addr, model, p, max_tokens, logprobs,
+                                                    timeout_s) for p in prompts)))
+
+
+# ---- reaching the running system ----------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for ln in text.splitlines():
+        m = re.match(r"^(splitserve_kv_transfer\S*)\s+(\S+)$", ln)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def kv_delta(before: dict, after: dict, requests: int) -> dict:
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    sent = d.get('splitserve_kv_transfer_bytes_total{direction="send"}', 0.0)
+    backends = {re.search(r'backend="([^"]*)"', k).group(1): int(v) for k, v in d.items()
+                if k.startswith("splitserve_kv_transfers_total{") and v > 0}
+    n = sum(backends.values()) or requests
+    return {"bytes_per_request": sent / n, "bytes_total": sent, "transfers_by_backend": backends,
+            "backend": ",".join(sorted(backends))}
+
+
+def log_reason(text: str) -> str:
+    """The line of `up`'s log that says why it failed: the last exception, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
+    return (errs or lines or ["(no output)"])[-1][:300]
+
+
+def wait_up(up, log_path: str, timeout_s: float) -> tuple[str, str]:
+    """-> (REST base URL, gRPC address) once `up` printed them and /health answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = open(log_path).read()
+        if "is up" in text:
+            break
+        if up.poll() is not None:
+            raise RuntimeError(f"`up` exited with {up.returncode}: {log_reason(text)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"`up` not up after {timeout_s:.0f} s: {log_reason(text)}")
+        time.sleep(0.25)
+    rest = re.search(r"REST \(OpenAI\)\s+(http://\S+)/v1", text).group(1)
+    grpc_addr = re.search(r"gRPC\s+(\S+:\d+)", text).group(1)
+    while True:  # the gateway answers 503 until it has seen both services healthy
+        try:
+            if urllib.request.urlopen(rest + "/health", timeout=5).status == 200:
+                return rest, grpc_addr
+        except OSError as ex:  # HTTPError (503) and connection errors
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway {rest}/health: {ex}") from None
+        time.sleep(0.25)
+
+
+def model_info(grpc_addr: str):
+    import grpc
+
+    from protos import generate_pb2, generate_pb2_grpc
+
+    with grpc.insecure_channel(grpc_addr) as ch:
+        return generate_pb2_grpc.GenerationStub(ch).ModelInfo(generate_pb2.ModelInfoRequest(),
+                                                              timeout=30)
