@@ -1,7 +1,8 @@
 """Protobuf <-> engine objects, at the servicer edge only (pb messages go no deeper).
 
     params_from_pb(common_pb2.RequestParams) -> engine SamplingParams (raises InvalidRequestError)
-    params_to_pb(SamplingParams) -> common_pb2.RequestParams
+    params_to_pb(SamplingParams) -> common_pb2.RequestParams (the gateway's too)
+    sampling_kwargs(generate_pb2.SamplingParams) -> SamplingParams keywords of its set fields
     logprob_to_pb((logprob, [(id, lp), ...]) | None, token_id) -> generate_pb2.TokenLogprob
     load_to_pb(engine stats dict, **extra) -> common_pb2.LoadStats
     FINISH_REASONS: engine finish_reason str -> generate_pb2.FinishReason
@@ -11,8 +12,9 @@ from __future__ import annotations
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from protos import common_pb2, generate_pb2
 
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "logprobs", "min_tokens")
+# the optional fields of SamplingParams messages (unset: the engine's default)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "logprobs", "min_tokens")
 
 FINISH_REASONS = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,
@@ -23,24 +25,30 @@ FINISH_REASONS = {
 }
 
 
+def sampling_kwargs(sp: generate_pb2.SamplingParams | None) -> dict:
+    """The fields set in a SamplingParams message, as SamplingParams keywords."""
+    kw = {}
+    for f in SAMPLING_FIELDS:
+        if sp is not None and sp.HasField(f):
+            v = getattr(sp, f)
+            # NOTE: proto floats are float32; round so 0.7 stays 0.7, not 0.69999999
+            kw[f] = round(v, 6) if isinstance(v, float) else int(v)
+    return kw
+
+
 def params_from_pb(p: common_pb2.RequestParams) -> SamplingParams:
-    s = p.sampling
-    kw = {f: getattr(s, f) for f in _OPTIONAL if s.HasField(f)}
-    for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-              "frequency_penalty"):
-        if f in kw:  # NOTE: proto floats are float32; round so 0.7 stays 0.7, not 0.69999999
-            kw[f] = round(float(kw[f]), 6)
     if not p.max_tokens:
         raise InvalidRequestError("max_tokens must be >= 1")
     return SamplingParams(max_tokens=int(p.max_tokens), stop=tuple(p.stop),
                           stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
                           ignore_eos=p.ignore_eos,
-                          include_stop_str_in_output=p.include_stop_str_in_output, **kw)
+                          include_stop_str_in_output=p.include_stop_str_in_output,
+                          **sampling_kwargs(p.sampling))
 
 
 def params_to_pb(sp: SamplingParams) -> common_pb2.RequestParams:
     s = generate_pb2.SamplingParams()
-    for f in _OPTIONAL:
+    for f in SAMPLING_FIELDS:
         v = getattr(sp, f)
         if v is not None:
             setattr(s, f, v)

@@ -22,10 +22,10 @@ from typing import AsyncIterator
 import grpc
 
 from common import telemetry
+from common.convert import params_to_pb as request_params_pb
 from common.metrics import ServiceMetrics
 from common.telemetry import GenAI
 from gateway.admission import AdmissionConfig, AdmissionQueue, Decision, Predictor, decide
-from gateway.convert import request_params_pb
 from gateway.routing import ReplicaPool, order_decode, order_prefill
 from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid
 
