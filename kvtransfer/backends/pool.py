@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -36,21 +37,38 @@ def pool_backend_for(device: str) -> str:
     return "vmm" if device.startswith("cuda") else "shm"
 
 
+MAX_RUNS = 8  # more runs than this: one gather + one scatter beats a copy per run
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """-> (src start, dst start, length) of the stretches where both id lists count up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
                 stream=None) -> None:
     """dst[:, dst_ids] = src[:, src_ids] over uint8 [layers * 2, blocks, block_bytes] views;
-    blocking until done (CUDA: on `stream`, then synchronized)."""
+    blocking until done (CUDA: on `stream`, then synchronized). Contiguous stretches move as
+    strided copies (each byte read and written once); scattered ids through a gather."""
     dev = dst.device
-    if dev.type == "cuda":
-        with torch.cuda.device(dev), torch.cuda.stream(stream):
+    runs = block_runs(src_ids, dst_ids)
+    with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext(), \
+            torch.cuda.stream(stream) if dev.type == "cuda" else nullcontext():
+        if len(runs) <= MAX_RUNS:
+            for s, d, n in runs:
+                dst[:, d:d + n].copy_(src[:, s:s + n])
+        else:
             si = torch.tensor(src_ids, dtype=torch.long, device=dev)
             di = torch.tensor(dst_ids, dtype=torch.long, device=dev)
             dst.index_copy_(1, di, src.index_select(1, si))
+    if dev.type == "cuda":
         (stream or torch.cuda.current_stream(dev)).synchronize()
-    else:
-        si = torch.tensor(src_ids, dtype=torch.long)
-        di = torch.tensor(dst_ids, dtype=torch.long)
-        dst.index_copy_(1, di, src.index_select(1, si))
 
 
 class PoolImporter:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.kv_memory import allocate_pool
-from kvtransfer.backends.pool import GuardedSink, PoolImporter, copy_blocks
+from kvtransfer.backends.pool import GuardedSink, PoolImporter, block_runs, copy_blocks
 from kvtransfer.backends.pool_share import PoolServer, PoolUnreachable, attach
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.state import KVLayout, TransferError, TransferState
@@ -66,13 +66,23 @@ def test_attach_to_nothing_is_unreachable():
         attach("splitserve-kvpool-no-such-owner", "cpu", timeout_s=1)
 
 
-def test_copy_blocks_matches_indexing():
-    src = torch.randint(0, 256, (6, 10, 32), dtype=torch.uint8)
-    dst = torch.zeros(6, 7, 32, dtype=torch.uint8)
-    copy_blocks(src, [9, 0, 4], dst, [1, 6, 2])
+@pytest.mark.parametrize("src_ids,dst_ids", [
+    ([9, 0, 4], [1, 6, 2]),                                  # scattered, few runs
+    ([2, 3, 4, 7, 8], [0, 1, 2, 5, 6]),                      # two contiguous runs
+    (list(range(0, 20, 2)), list(range(19, -1, -2))),        # more runs than MAX_RUNS: gather
+])
+def test_copy_blocks_matches_indexing(src_ids, dst_ids):
+    src = torch.randint(0, 256, (6, 20, 32), dtype=torch.uint8)
+    dst = torch.zeros(6, 20, 32, dtype=torch.uint8)
+    copy_blocks(src, src_ids, dst, dst_ids)
     want = torch.zeros_like(dst)
-    want[:, [1, 6, 2]] = src[:, [9, 0, 4]]
+    want[:, dst_ids] = src[:, src_ids]
     assert torch.equal(dst, want)
+
+
+def test_block_runs():
+    assert block_runs([2, 3, 4, 9], [5, 6, 7, 8]) == [(2, 5, 3), (9, 8, 1)]
+    assert block_runs([], []) == []
 
 
 class _Sink:
