@@ -90,9 +90,8 @@ async def _update_metrics(metrics, engine, interval_s: float = 1.0) -> str:
     """Refresh gauges from engine stats; returns (ending the service) if the engine died."""
     while True:
         await asyncio.sleep(interval_s)
-        dead = getattr(engine, "_dead", None)  # AsyncEngine records the thread's crash here
-        if dead is not None:
-            return repr(dead)
+        if engine.dead is not None:  # what crashed the engine thread
+            return repr(engine.dead)
         try:
             metrics.update_from_engine_stats(engine.stats())
         except Exception:  # noqa: BLE001 - metrics must never take the service down

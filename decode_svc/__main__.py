@@ -68,15 +68,11 @@ async def amain(args) -> int:
                                                   register_kv_caches)
 
             agent = make_agent(f"decode-{args.port}-{id(engine):x}")
-            kv = engine.engine.runner.kv_caches
+            kv = engine.kv_cache_tensors()
             register_kv_caches(agent, kv)
             guard = InflightGuard()
             sink = GuardedSink(sink, guard)
-
-            async def block_ids_of(rid):
-                return await engine.call(lambda e: e.kv.block_ids(rid))
-
-            planes["nixl"] = lambda: NixlPlane(agent, kv, layout, block_ids_of, guard, t)
+            planes["nixl"] = lambda: NixlPlane(agent, kv, layout, engine.reserved_block_ids, guard, t)
             pair = local_endpoint(info["device"])
             accepted = ["nixl", "grpc"]
         rx = KVReceiver(sink, layout, default_timeout_s=args.reservation_timeout_s)

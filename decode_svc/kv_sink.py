@@ -18,27 +18,21 @@ class EngineKVSink:
         # owner[request_id] -> transfer id holding that request's reservation now (shared with
         # DecodeServicer, written on the event loop only). Read on the engine thread when a
         # release runs, so a release queued before a newer Reserve of the id is skipped.
-        self.owner = owner
+        self.owner = owner if owner is not None else {}
 
     async def write_layer(self, request_id: str, layer_idx: int, tensor: torch.Tensor,
                           num_tokens: int) -> None:
         blocks = KVBlocks(self.block_size, num_tokens, DTYPE_NAMES[tensor.dtype], [tensor])
-        await self.engine.call(lambda e: e.import_kv(request_id, blocks, first_layer=layer_idx))
+        await self.engine.import_kv(request_id, blocks, first_layer=layer_idx)
 
     async def write_scales(self, request_id: str, k_scales: list[float], v_scales: list[float]) -> None:
         # NOTE: the engine keeps one fp8 scale per layer for the whole cache; prefill and decode
         # must run with the same calibrated scales (same model) for this to be exact.
         blocks = KVBlocks(self.block_size, 0, "fp8_e4m3", [], list(k_scales), list(v_scales))
-        await self.engine.call(lambda e: e.import_kv(request_id, blocks))
+        await self.engine.import_kv(request_id, blocks)
 
     async def release(self, request_id: str, transfer_id: str) -> None:
-        owner = self.owner
-
-        def fn(e):
-            cur = owner.get(request_id) if owner is not None else None
-            if cur is None or cur == transfer_id:  # never free a newer reservation of the id
-                e.release(request_id)
-
-        await self.engine.call(fn)
-        if owner is not None and owner.get(request_id) == transfer_id:
-            owner.pop(request_id, None)  # back on the event loop: the reservation is gone
+        # never frees a newer reservation of the id (the engine thread reads `owner`)
+        await self.engine.release_if_owner(request_id, transfer_id, self.owner)
+        if self.owner.get(request_id) == transfer_id:
+            self.owner.pop(request_id, None)  # back on the event loop: the reservation is gone

@@ -70,16 +70,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self._reserved_tokens.pop(old.transfer_id, None)
             tid = uuid.uuid4().hex
             self.owner[rid] = tid
-
-            def reserve(e):
-                if rid in getattr(e, "requests", {}):
-                    raise InvalidRequestError(f"request id {rid!r} is already in use")
-                if e.kv.block_ids(rid):
-                    e.release(rid)  # a failed/replaced earlier reservation of this id
-                return e.reserve(rid, n)
-
-            try:
-                blocks = await self.engine.call(reserve)
+            try:  # frees what a failed / replaced earlier reservation of the id still holds
+                blocks = await self.engine.reserve_replacing(rid, n)
             except (InvalidRequestError, ValueError) as e:
                 self._disown(rid, tid)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -167,19 +159,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         detok = tok.detokenizer(prompt, params) if tok is not None and (request.detokenize or params.stop) else None
         pending_text, stop = detok.step([first]) if detok is not None else ("", None)
         text_out = bool(request.detokenize)
-
-        def start(e):
-            try:
-                return e.add_prefilled(rid, prompt, first, params)
-            except BaseException:
-                e.release(rid)  # NOTE: blocks are ours since claim(); never leak them
-                raise
-
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump():
             try:
-                async with contextlib.aclosing(self.engine.stream(rid, start)) as agen:
+                # NOTE: blocks are ours since claim(); a join that fails frees them
+                outs = self.engine.stream_prefilled(rid, prompt, first, params)
+                async with contextlib.aclosing(outs) as agen:
                     async for out in agen:
                         q.put_nowait(out)
                 q.put_nowait(_END)
@@ -192,7 +178,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         pump_task = None
         try:
             if stop is not None:  # the first token already completed a stop string
-                await self.engine.call(lambda e: e.release(rid))
+                await self.engine.release(rid)
                 outcome = "stop"
                 yield self._msg([], pending_text if text_out else "", [], "stop", stop, wait_ms, n_gen)
                 return
@@ -292,7 +278,7 @@ _ABORTED = object()
 
 async def _abort_quietly(engine, rid: str) -> None:
     try:
-        await engine.call(lambda e: e.abort(rid))
+        await engine.abort(rid)
     except Exception:  # noqa: BLE001 - engine gone: nothing left to free
         log.debug("abort of %s failed", rid, exc_info=True)
 

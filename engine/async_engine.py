@@ -11,10 +11,11 @@ import logging
 import queue
 import threading
 import uuid
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Callable, Mapping, TypeVar
 
 from engine.config import EngineConfig
 from engine.engine import Engine, RequestOutput
+from engine.kv_blocks import KVBlocks
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("splitserve.engine.async")
@@ -73,6 +74,11 @@ class AsyncEngine:
     def stats(self) -> dict:
         """Last stats snapshot (refreshed by the engine thread after every step)."""
         return dict(self._stats)
+
+    @property
+    def dead(self) -> BaseException | None:
+        """What crashed the engine thread (None while it runs)."""
+        return self._dead
 
     # ---- requests -------------------------------------------------------------------
     async def call(self, fn: Callable[[Engine], T]) -> T:
@@ -137,6 +143,50 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort(request_id))
+
+    # ---- disaggregation (engine/disaggregation.py), on the engine thread --------------
+    async def reserve_replacing(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+        return await self.call(lambda e: e.reserve_replacing(request_id, num_prompt_tokens))
+
+    async def reserved_block_ids(self, request_id: str) -> list[int]:
+        return await self.call(lambda e: e.reserved_block_ids(request_id))
+
+    async def import_kv(self, request_id: str, blocks: KVBlocks, first_layer: int = 0) -> None:
+        await self.call(lambda e: e.import_kv(request_id, blocks, first_layer=first_layer))
+
+    async def release(self, request_id: str) -> None:
+        await self.call(lambda e: e.release(request_id))
+
+    async def release_if_owner(self, request_id: str, transfer_id: str,
+                               owner: Mapping[str, str]) -> bool:
+        return await self.call(lambda e: e.release_if_owner(request_id, transfer_id, owner))
+
+    async def stream_kv_layers(self, request_id: str, layers: asyncio.Queue) -> None:
+        """Prefill side: the request's LayerExports land in `layers` (on this event loop) as
+        the engine thread hands them out; raises InvalidRequestError for an id in use."""
+        loop = asyncio.get_running_loop()
+
+        def on_layer(x):  # NOTE: runs on the engine thread: only hand over
+            loop.call_soon_threadsafe(layers.put_nowait, x)
+
+        await self.call(lambda e: e.stream_kv_layers(request_id, on_layer))
+
+    def stream_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Decode side: join a request on its reserved blocks (add_prefilled) and stream its
+        outputs, as `stream`. If joining fails the blocks are freed (the caller owns them)."""
+        def start(e):
+            try:
+                return e.add_prefilled(request_id, prompt_token_ids, first_token_id, params)
+            except BaseException:
+                e.release(request_id)
+                raise
+
+        return self.stream(request_id, start)
+
+    def kv_cache_tensors(self) -> list:
+        """Engine.kv_cache_tensors (fixed after start, so readable from the event loop)."""
+        return self.engine.kv_cache_tensors()
 
     # ---- engine thread --------------------------------------------------------------
     def _check_alive(self) -> None:

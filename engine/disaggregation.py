@@ -1,15 +1,18 @@
 """The Engine's disaggregation calls (a mixin of engine.engine.Engine; they use its request
 table, scheduler, KV manager and runner).
 
-Decode side: `reserve` blocks for an incoming prompt, `import_kv` what prefill sent into them,
-then `add_prefilled` joins the request to the running batch with its first token. Prefill side:
-run `prefill_only` requests, `export_kv` their blocks (or have them handed out layer by layer
-during the forward: `stream_kv_layers`, engine/layer_stream.py), and `release` them.
+Decode side: `reserve` blocks for an incoming prompt (`reserve_replacing` for a retried id),
+`import_kv` what prefill sent into them (`reserved_block_ids` / `kv_cache_tensors` for a
+backend that writes them in place), then `add_prefilled` joins the request to the running
+batch with its first token; `release_if_owner` frees a reservation a newer one has not taken
+over. Prefill side: run `prefill_only` requests, `export_kv` their blocks (or have them handed
+out layer by layer during the forward: `stream_kv_layers`, engine/layer_stream.py), and
+`release` them.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -28,6 +31,34 @@ class DisaggregationMixin:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         return self.kv.reserve(request_id, num_prompt_tokens)
+
+    def reserve_replacing(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+        """Decode side: `reserve`, first freeing the blocks an earlier, unclaimed reservation of
+        the id still holds (a failed or replaced one). An id that is running raises."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self.kv.block_ids(request_id):
+            self.release(request_id)
+        return self.reserve(request_id, num_prompt_tokens)
+
+    def reserved_block_ids(self, request_id: str) -> list[int]:
+        """The blocks `request_id` holds, in order (a copy; [] when none)."""
+        return self.kv.block_ids(request_id)
+
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        """The per-layer KV cache tensors; allocated once, they never move (a backend that
+        writes blocks in place registers them)."""
+        return self.runner.kv_caches
+
+    def release_if_owner(self, request_id: str, transfer_id: str, owner: Mapping[str, str]) -> bool:
+        """Decode side: `release` unless `owner` (request id -> transfer id holding its
+        reservation now) names another transfer: a newer reservation of the id took over.
+        Read here, between steps, so the check and the free are one step. -> released?"""
+        cur = owner.get(request_id)
+        if cur is not None and cur != transfer_id:
+            return False
+        self.release(request_id)
+        return True
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                       params: SamplingParams) -> RequestOutput | None:

@@ -75,11 +75,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.in_flight += 1
             ok, added, push = False, False, None  # added: the engine holds the id (free it after)
             try:
-                def claim(e):  # NOTE: on_layer runs on the engine thread: only hand over
-                    e.stream_kv_layers(rid, lambda x: loop.call_soon_threadsafe(layers.put_nowait, x))
-
                 try:
-                    await self.engine.call(claim)
+                    await self.engine.stream_kv_layers(rid, layers)
                 except InvalidRequestError as e:  # e.g. a duplicate id: nothing of ours is held
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 added = True
@@ -151,6 +148,6 @@ def _retrieve(task: asyncio.Task) -> None:
 
 async def _release(engine, rid: str, abort: bool) -> None:
     try:
-        await engine.call(lambda e: e.abort(rid) if abort else e.release(rid))
+        await (engine.abort(rid) if abort else engine.release(rid))
     except Exception:  # noqa: BLE001 - engine gone; nothing left to free
         log.warning("release of %s failed", rid, exc_info=True)

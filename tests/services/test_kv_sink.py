@@ -67,3 +67,23 @@ async def test_engine_to_engine_blocks_byte_exact(kv_dtype):
         await server.stop(0)
         await pre.stop()
         await dec.stop()
+
+
+async def test_release_skips_a_reservation_a_newer_one_took_over():
+    """EngineKVSink.release frees only the transfer that still owns the id; a retried Reserve
+    (reserve_replacing) first frees what the old reservation held."""
+    dec = AsyncEngine(engine=_engine("fp32"))
+    await dec.start()
+    try:
+        owner = {"r": "t1"}
+        sink = EngineKVSink(dec, dec.info()["block_size"], owner)
+        first = await dec.reserve_replacing("r", 20)
+        owner["r"] = "t2"  # what DecodeServicer.Reserve does for a retry
+        second = await dec.reserve_replacing("r", 40)
+        assert len(first) == 2 and len(second) == 3
+        await sink.release("r", "t1")  # the old transfer's late release
+        assert await dec.reserved_block_ids("r") == second and owner == {"r": "t2"}
+        await sink.release("r", "t2")
+        assert await dec.reserved_block_ids("r") == [] and owner == {}
+    finally:
+        await dec.stop()
