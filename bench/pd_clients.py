@@ -69,6 +69,7 @@ def trace_stats(traces: list[Trace]) -> dict:
     t0, t1 = min(t.t_send for t in done), max(ts[-1] for ts in times)
     n = sum(len(ts) for ts in times)
     return {"requests": len(traces), "completed": len(done), "tokens": n,
+            "messages": sum(len(t.events) for t in done),  # < tokens: some came several at once
             "wall_s": t1 - t0, "tok_s": n / (t1 - t0) if t1 > t0 else float("nan"),
             "ttft_ms_median": percentile([ts[0] - t.t_send for t, ts in zip(done, times)], 50) * 1e3,
             "tpot_ms": percentile(tpots, 50) * 1e3,

@@ -269,6 +269,8 @@ def build_rows(eng: dict, sysr: dict, a) -> list[dict]:
              ("ITL p99/median, after all first tokens", "load", "itl_after_first_p99/median", "time"),
              (f"TPOT logprobs off ({a.lp_batch} req), ms", "lp_off", "tpot_ms", "time"),
              (f"TPOT logprobs on ({a.lp_batch} req), ms", "lp_on", "tpot_ms", "time"),
+             ("client messages per token (load; < 1: gaps are per message)", "load",
+              "messages/token", None),
              ("KV bytes per request (load case)", "kv", "bytes_per_request", None),
              ("KV transfer backend", "kv", "backend", None)]
     rows = []
@@ -288,6 +290,7 @@ def build_rows(eng: dict, sysr: dict, a) -> list[dict]:
 def add_derived(res: dict) -> dict:
     load = res.get("load")
     if isinstance(load, dict):
+        load["messages/token"] = load["messages"] / load["tokens"]
         for pre in ("itl", "itl_after_first"):
             load[f"{pre}_p99/median"] = ratio(load[f"{pre}_ms_p99"], load[f"{pre}_ms_median"], "rate") or None
     return res

@@ -102,7 +102,7 @@ def test_kv_delta_and_log_reason():
 
 def test_build_rows_fills_ratios_and_shows_errors():
     a = SimpleNamespace(clients=4, lp_batch=2)
-    load = {"tok_s": 100.0, "ttft_ms_median": 10.0, "tpot_ms": 5.0, "itl_ms_median": 5.0,
+    load = {"tokens": 10, "messages": 5, "tok_s": 100.0, "ttft_ms_median": 10.0, "tpot_ms": 5.0, "itl_ms_median": 5.0,
             "itl_ms_p99": 10.0, "itl_after_first_ms_median": 5.0, "itl_after_first_ms_p99": 6.0}
     eng = ps.add_derived({"ttft_16": {"ms_median": 5.0}, "ttft_128": {"ms_median": 15.0},
                           "load": dict(load), "lp_off": {"tpot_ms": 4.0}, "lp_on": {"tpot_ms": 5.0}})
@@ -118,6 +118,8 @@ def test_build_rows_fills_ratios_and_shows_errors():
     assert rows["4 clients: output tok/s"]["ratio"] == "0.8"
     assert rows["ITL p99/median, whole run"]["engine alone"] == "2"
     assert rows["KV transfer backend"]["whole system"] == "grpc"
+    msgs = next(r for c, r in rows.items() if c.startswith("client messages per token"))
+    assert msgs["engine alone"] == "0.5" and msgs["ratio"] == ""
     assert rows["TPOT logprobs on/off"]["whole system"] == "1.5"
     # a whole side that failed: every one of its cells says so
     rows = ps.build_rows(eng, {"error": "error: up died"}, a)
@@ -145,6 +147,7 @@ def test_cpu_run_fills_both_columns(tmp_path):
         for n in (16, 64):
             assert r[f"ttft_{n}"]["ms_median"] > 0 and len(r[f"ttft_{n}"]["samples_ms"]) == 2
         assert r["load"]["tok_s"] > 0 and r["load"]["tokens"] == 4 * 16
+        assert r["load"]["messages/token"] > 0.9  # tokens seen one by one (gRPC, skip_text)
         assert r["load"]["itl_ms_p99"] >= r["load"]["itl_ms_median"] > 0
         assert r["lp_off"]["tpot_ms"] > 0 and r["lp_on"]["tpot_ms"] > 0
     assert res["system"]["kv"]["bytes_per_request"] > 0 and res["system"]["kv"]["backend"] == "grpc"
