@@ -1,9 +1,10 @@
 """KVReceiver: decode-side transfer bookkeeping, independent of the wire backend.
 
 The decode service `expect`s a transfer when it reserves blocks; a backend server (e.g.
-kvtransfer.backends.grpc.KVTransferServicer, kvtransfer.backends.pair_service.KVTransferService) calls
-`on_layer` for every complete layer (or `on_layer_landed` when the transport wrote the blocks
-itself) and `on_commit` at the end; the Decode handler `wait`s for DONE and `claim`s the blocks.
+kvtransfer.backends.grpc.KVTransferServicer, kvtransfer.backends.pair_service.KVTransferService)
+calls `on_layer` for every complete layer (or `on_layer_landed` when the transport wrote the
+blocks itself) and `on_commit` at the end; the Decode handler `wait`s for DONE and `claim`s the
+blocks.
 
 Invariants:
 - a FAILED transfer's blocks are released exactly once, through `sink.release(request_id)`;

@@ -1,7 +1,7 @@
 """Sender side of the direct backends (dist, nixl): a PairClient is one PairSession control
 stream to one decode, transfers (PairSendTransfer) multiplexed on it, the layer bytes moved by
-a backend-specific data path (subclass hooks). kvtransfer.backends.pair_sender.PairKVSender keeps one
-per decode address.
+a backend-specific data path (subclass hooks). kvtransfer.backends.pair_sender.PairKVSender
+keeps one per decode address.
 
 Pair lifecycle (prefill side): connecting -> up -> broken | closed. Connecting sends the hello,
 waits for decode's accept, runs the backend's join (dist: the process group), waits for ready.
