@@ -55,7 +55,7 @@ async def amain(args) -> int:
 
             senders["dist"] = DistKVSender(local, host=pair_host(args.host), **pair_kw)
         elif backend == "nixl":
-            from kvtransfer.backends.nixl import NixlKVSender
+            from kvtransfer.backends.nixl_sender import NixlKVSender
 
             senders["nixl"] = NixlKVSender(local, staging_bytes=args.kv_nixl_staging_mb << 20, **pair_kw)
         metrics = get_metrics("prefill")

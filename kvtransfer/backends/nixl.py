@@ -1,5 +1,7 @@
 """nixl backend: KV layers move by NIXL one-sided READs (UCX: RDMA between hosts, NVLink /
-CUDA IPC within one), behind the same KVSender / KVReceiver interfaces as the others.
+CUDA IPC within one), behind the same KVSender / KVReceiver interfaces as the others. This
+module: the agent, the descriptors and decode's side (NixlPlane); prefill's side (staging,
+NixlKVSender) is nixl_sender.py.
 
 Not yet run against a real `nixl` install. The flow, the descriptor arithmetic and the
 failure handling are tested with a fake agent that copies memory
@@ -31,17 +33,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import defaultdict
 from typing import Awaitable, Callable, Sequence
 
 import torch
 
 from kvtransfer.backends.nixl_probe import NOT_INSTALLED, nixl_available  # noqa: F401 - re-exported
-from kvtransfer.backends.pair_client import PairClient, PairSendTransfer
-from kvtransfer.backends.pair_sender import PairKVSender
 from kvtransfer.backends.pair_service import RecvPlane
-from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
+from kvtransfer.endpoint import BackendUnavailable
 from kvtransfer.state import KVLayout, TransferError
 from protos import kvtransfer_pb2
 
@@ -96,147 +95,6 @@ def merge_contiguous(local: list[tuple[int, int, int]], remote: list[tuple[int, 
 
 def block_bytes(layout: KVLayout) -> int:
     return layout.layer_nbytes(1) // 2
-
-
-# ---- prefill side -----------------------------------------------------------------------
-class _Staging:
-    """First-fit ranges in one registered buffer."""
-
-    def __init__(self, buf: torch.Tensor):
-        self.buf = buf  # flat uint8
-        self.size = buf.numel()
-        self._used: dict[int, int] = {}  # offset -> nbytes
-        self._freed = asyncio.Event()
-
-    def try_alloc(self, n: int) -> int | None:
-        off = 0
-        for o, ln in sorted(self._used.items()):
-            if o - off >= n:
-                break
-            off = o + ln
-        if off + n > self.size:
-            return None
-        self._used[off] = n
-        return off
-
-    async def alloc(self, n: int, deadline: float) -> int:
-        if n > self.size:
-            raise TransferError(f"a layer of {n} B exceeds the nixl staging buffer ({self.size} B)")
-        while True:
-            off = self.try_alloc(n)
-            if off is not None:
-                return off
-            self._freed.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferError("nixl staging buffer full (decode is not reading?)")
-            try:
-                await asyncio.wait_for(self._freed.wait(), left)
-            except (asyncio.TimeoutError, TimeoutError):
-                pass
-
-    def free(self, off: int) -> None:
-        if self._used.pop(off, None) is not None:
-            self._freed.set()
-
-
-class NixlPairClient(PairClient):
-    backend = "nixl"
-
-    def __init__(self, channel, address, peer, local, op_timeout_s, connect_timeout_s, owner: "NixlKVSender"):
-        super().__init__(channel, address, peer, local, op_timeout_s, connect_timeout_s)
-        self.owner = owner
-        self._ranges: dict[str, list[int]] = defaultdict(list)  # transfer id -> staging offsets
-        self._q: asyncio.Queue = asyncio.Queue()
-        self._stager: asyncio.Task | None = None
-
-    def hello(self):
-        return kvtransfer_pb2.PairHello(pair_id=self.pair_id, backend="nixl", device=self.local.device,
-                                        device_uuid=self.local.device_uuid,
-                                        timeout_ms=int(self.op_timeout_s * 1e3),
-                                        nixl_metadata=self.owner.agent.get_agent_metadata())
-
-    async def join(self, accept) -> None:
-        self._stager = asyncio.get_running_loop().create_task(self._stage_loop())
-
-    def send_layer(self, tx: PairSendTransfer, layer_idx, tensor, k_scale, v_scale) -> asyncio.Future:
-        if self.broken is not None:
-            raise TransferError(f"nixl pair with {self.address} is broken: {self.broken}")
-        if tensor.device != self.owner.staging.buf.device:
-            raise TransferError(f"layer on {tensor.device}, the nixl staging buffer is on "
-                                f"{self.owner.staging.buf.device}")
-        fut = asyncio.get_running_loop().create_future()
-        self._q.put_nowait((tx, layer_idx, tensor, k_scale, v_scale, fut))
-        return fut
-
-    def commit(self, tx: PairSendTransfer) -> None:
-        self._q.put_nowait((tx, None))  # NOTE: behind the layers still being staged
-
-    async def _stage_loop(self) -> None:
-        """Stage layers one at a time, in call order, so headers keep their seq order and the
-        commit follows the last header."""
-        while True:
-            item = await self._q.get()
-            if item[1] is None:
-                super().commit(item[0])
-                continue
-            tx, li, tensor, ks, vs, fut = item
-            if fut.done():
-                continue
-            try:
-                nbytes = tensor.numel() * tensor.element_size()
-                st = self.owner.staging
-                off = await st.alloc(nbytes, tx.record.deadline if tx.record.deadline != float("inf")
-                                     else time.monotonic() + self.op_timeout_s)
-                self._ranges[tx.record.transfer_id].append(off)
-                dst = st.buf[off:off + nbytes]
-                src = tensor.contiguous().view(torch.uint8).reshape(-1)
-                if dst.is_cuda:
-                    await asyncio.to_thread(_copy_on_side_stream, dst, src)
-                else:
-                    dst.copy_(src)
-                if self.broken is not None or tx.record.state.terminal:
-                    raise TransferError(f"transfer {tx.record.transfer_id} ended while staging")
-                h = self.header(tx, li, tensor, ks, vs)
-                h.remote_addr = st.buf.data_ptr() + off
-                h.remote_device = device_id(st.buf.device)
-                self._seq += 1
-                self.send_msg(kvtransfer_pb2.PairMsg(layer=h))
-                fut.set_result(nbytes)
-            except Exception as e:  # noqa: BLE001 - reported through the transfer
-                if not fut.done():
-                    fut.set_exception(e if isinstance(e, TransferError) else TransferError(repr(e)))
-
-    def release_transfer(self, tx: PairSendTransfer) -> None:
-        for off in self._ranges.pop(tx.record.transfer_id, []):
-            self.owner.staging.free(off)
-
-    def close_data_path(self, reason: str, orderly: bool) -> None:
-        if self._stager is not None:
-            self._stager.cancel()
-
-
-class NixlKVSender(PairKVSender):
-    """Prefill side. agent: a nixl agent (default: a real one, created here)."""
-
-    backend = "nixl"
-
-    def __init__(self, local: PairEndpoint, staging_bytes: int = 256 << 20, agent=None, **kw):
-        super().__init__(local, **kw)
-        self.agent = agent if agent is not None else make_agent(f"prefill-{uuid.uuid4().hex[:8]}")
-        buf = torch.empty(staging_bytes, dtype=torch.uint8, device=local.device)
-        self._reg = self.agent.register_memory([buf])  # NOTE: once; the pool lives as long as we do
-        self.staging = _Staging(buf)
-
-    def make_pair(self, channel, address, peer) -> NixlPairClient:
-        return NixlPairClient(channel, address, peer, self.local, self.op_timeout_s,
-                              self.connect_timeout_s, self)
-
-
-def _copy_on_side_stream(dst: torch.Tensor, src: torch.Tensor) -> None:
-    with torch.cuda.stream(torch.cuda.Stream(dst.device)):
-        dst.copy_(src)
-        torch.cuda.current_stream().synchronize()
 
 
 # ---- decode side ------------------------------------------------------------------------
