@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     a = p.parse_args(argv)
 
-    from kvtransfer.backends.pool import copy_blocks, pool_backend_for
+    from kvtransfer.backends.pool import copy_blocks
+    from kvtransfer.endpoint import pool_backend_for
     from kvtransfer.backends.pool_share import attach
 
     block_bytes = a.block_size * a.kv_heads * a.head_dim * a.elem_bytes

@@ -75,12 +75,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("kv transfer")
-    g.add_argument("--kv-transfer-backend", default=env_str("SPLITSERVE_KV_TRANSFER_BACKEND", "grpc"),
-                   help="grpc (default; any host, KV staged through host memory) | dist "
-                        "(torch.distributed point-to-point per prefill/decode pair: NCCL between "
-                        "GPUs, gloo between CPU caches) | nixl (needs the nixl package). Decode "
-                        "always accepts grpc too; prefill falls back to grpc when a pair cannot "
-                        "use the selected backend")
+    g.add_argument("--kv-transfer-backend", default=env_str("SPLITSERVE_KV_TRANSFER_BACKEND", "auto"),
+                   help="auto (default: vmm / shm when prefill and decode share a host, else "
+                        "grpc) | vmm (decode maps prefill's CUDA KV pool and copies device to "
+                        "device) | shm (the same in CPU shared memory) | grpc (any host, KV "
+                        "staged through host memory) | dist (torch.distributed point-to-point "
+                        "per pair: NCCL between GPUs, gloo between CPU caches) | nixl (needs the "
+                        "nixl package). Decode always accepts grpc too; prefill falls back to "
+                        "grpc when a pair cannot use the selected backend")
     g.add_argument("--kv-pair-timeout-s", type=float,
                    default=env_float("SPLITSERVE_KV_PAIR_TIMEOUT_S", 30.0),
                    help="dist / nixl: pair setup timeout and per-layer transfer timeout")

@@ -35,8 +35,9 @@ async def amain(args) -> int:
     from decode_svc.servicer import SERVICE_NAME, DecodeServicer
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout, KVReceiver
-    from kvtransfer.backends.pair_service import KVTransferService
-    from kvtransfer.endpoint import BACKENDS, backend_unavailable, local_endpoint, pair_transport
+    from kvtransfer.backends.pool_service import PoolKVTransferService
+    from kvtransfer.endpoint import (BACKENDS, backend_unavailable, local_endpoint, pair_transport,
+                                     pool_backend_for)
     from protos import decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
     backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
@@ -76,11 +77,20 @@ async def amain(args) -> int:
             pair = local_endpoint(info["device"])
             accepted = ["nixl", "grpc"]
         rx = KVReceiver(sink, layout, default_timeout_s=args.reservation_timeout_s)
+        importer = None
+        if _takes_pool(backend, info["device"]):  # prefill on this host: copy from its pool
+            from kvtransfer.backends.pool import GuardedSink as PoolGuardedSink, PoolImporter
+
+            importer = PoolImporter(rx, engine.kv_block_view(), engine.reserved_block_ids, info["device"])
+            rx.sink = PoolGuardedSink(rx.sink, importer)
+            accepted = [pool_backend_for(info["device"])] + accepted
+            pair = pair or local_endpoint(info["device"])
         svc = DecodeServicer(engine, rx, get_metrics("decode"),
                              reservation_timeout_s=args.reservation_timeout_s,
                              transfer_timeout_s=args.transfer_timeout_s, owner=owner,
                              kv_backends=accepted, pair=pair)
-        kvsvc = KVTransferService(rx, planes, max_layer_bytes=layout.layer_nbytes(info["num_blocks"]))
+        kvsvc = PoolKVTransferService(rx, planes, max_layer_bytes=layout.layer_nbytes(info["num_blocks"]),
+                                      pool_importer=importer)
         holder.update(svc=svc, rx=rx, kvsvc=kvsvc)
         decode_pb2_grpc.add_DecodeServicer_to_server(svc, server)
         kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kvsvc, server)
@@ -96,6 +106,17 @@ async def amain(args) -> int:
             holder["rdv"].close()
 
     return await runtime.serve("decode", args, engine, register, on_stop=stop, started=started)
+
+
+def _takes_pool(backend: str, device: str) -> bool:
+    """Whether this decode maps prefill pools: asked for, or auto where it can (vmm needs
+    cuda-bindings)."""
+    from kvtransfer.endpoint import POOL_BACKENDS, backend_unavailable, pool_backend_for
+
+    want = pool_backend_for(device)
+    if backend in POOL_BACKENDS:
+        return backend == want
+    return backend == "auto" and backend_unavailable(want) is None
 
 
 def main(argv=None) -> int:

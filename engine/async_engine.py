@@ -188,6 +188,20 @@ class AsyncEngine:
         """Engine.kv_cache_tensors (fixed after start, so readable from the event loop)."""
         return self.engine.kv_cache_tensors()
 
+    def kv_pool(self):
+        """Engine.kv_pool (fixed after start)."""
+        return self.engine.kv_pool()
+
+    def kv_block_view(self):
+        """Engine.kv_block_view (fixed after start)."""
+        return self.engine.kv_block_view()
+
+    async def export_kv(self, request_id: str) -> KVBlocks:
+        return await self.call(lambda e: e.export_kv(request_id))
+
+    async def kv_scale_lists(self):
+        return await self.call(lambda e: e.kv_scale_lists())
+
     # ---- engine thread --------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._dead is not None:

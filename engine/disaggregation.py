@@ -50,6 +50,19 @@ class DisaggregationMixin:
         writes blocks in place registers them)."""
         return self.runner.kv_caches
 
+    def kv_pool(self):
+        """The KV pool (engine.kv_memory.Pool): what a peer maps when it is shareable."""
+        return self.runner.kv_pool
+
+    def kv_block_view(self) -> torch.Tensor:
+        """The KV pool as uint8 [num_layers * 2, num_blocks, block_bytes] (fixed after start)."""
+        return self.runner.kv_block_view()
+
+    def kv_scale_lists(self) -> tuple[list[float], list[float]] | None:
+        """fp8 KV: the per-layer (k, v) scales; None for other KV dtypes."""
+        sc = self.runner.kv_scales
+        return (sc.k.tolist(), sc.v.tolist()) if sc is not None else None
+
     def release_if_owner(self, request_id: str, transfer_id: str, owner: Mapping[str, str]) -> bool:
         """Decode side: `release` unless `owner` (request id -> transfer id holding its
         reservation now) names another transfer: a newer reservation of the id took over.

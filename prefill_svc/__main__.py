@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from common.envs import env_float, env_int
@@ -32,13 +33,15 @@ async def amain(args) -> int:
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout
     from kvtransfer.backends.grpc import GrpcKVSender
-    from kvtransfer.endpoint import BACKENDS, backend_unavailable, local_endpoint
+    from kvtransfer.endpoint import BACKENDS, backend_unavailable, local_endpoint, pool_backend_for
     from prefill_svc.kv_push import KVPusher
     from prefill_svc.servicer import SERVICE_NAME, PrefillServicer
     from protos import prefill_pb2_grpc
 
     backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
     cfg = engine_config_from_args(args, prefix_caching=True)
+    if _wants_shared_pool(backend, args.device):  # decode peers on this host map it
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, shareable=True))
     telemetry.setup_tracing("splitserve-prefill")
     engine = AsyncEngine(cfg)
     holder = {}
@@ -58,6 +61,15 @@ async def amain(args) -> int:
             from kvtransfer.backends.nixl_sender import NixlKVSender
 
             senders["nixl"] = NixlKVSender(local, staging_bytes=args.kv_nixl_staging_mb << 20, **pair_kw)
+        pool = engine.kv_pool()
+        if pool.shareable:
+            from kvtransfer.backends.pool_sender import PoolKVSender
+            from kvtransfer.backends.pool_share import PoolServer
+
+            server_info = {"num_layers": info["num_layers"], "num_blocks": info["num_blocks"],
+                           "block_bytes": layout.layer_nbytes(1) // 2}
+            name = pool_backend_for(info["device"])
+            senders[name] = PoolKVSender(PoolServer(pool, server_info), name)
         metrics = get_metrics("prefill")
         pusher = holder["pusher"] = KVPusher(senders, backend, local, layout, metrics,
                                              args.transfer_timeout_s)
@@ -66,6 +78,20 @@ async def amain(args) -> int:
 
     return await runtime.serve("prefill", args, engine, register,
                                on_stop=lambda: holder["pusher"].close())
+
+
+def _wants_shared_pool(backend: str, device: str) -> bool:
+    """auto: a shareable pool where this host can share it (vmm needs cuda-bindings)."""
+    from kvtransfer.endpoint import POOL_BACKENDS, backend_unavailable
+
+    if backend in POOL_BACKENDS:
+        return True
+    if backend != "auto":
+        return False
+    import torch
+
+    cuda = torch.cuda.is_available() if device in ("auto", "", None) else device.startswith("cuda")
+    return not cuda or backend_unavailable("vmm") is None
 
 
 def main(argv=None) -> int:

@@ -8,8 +8,12 @@ last forward still runs; each is sent as soon as it arrives, so the transfer ove
 compute of later layers. The transfer opens at the first layer (a request the engine refuses
 never touches decode's reservation).
 
+Pool backends (vmm, shm) move no layers from here: once the prompt's forward is done, `handoff`
+names the request's blocks in prefill's shared pool and decode copies them (one call).
+
 Backend choice: the service's --kv-transfer-backend when decode's ticket accepts it and the
-pair can use it (kvtransfer.endpoint.choose_backend), else grpc. A fallback is logged (once per
+pair can use it (kvtransfer.endpoint.choose_backend; `auto`: the pool backend on one host),
+else grpc. A fallback is logged (once per
 decode and reason) and counted in splitserve_kv_transfer_fallbacks{reason}; a pair that cannot
 be set up falls back at open time, before any byte was sent. A failure after that fails the
 request (decode already freed the reservation); it is never retried on another backend.
@@ -21,8 +25,9 @@ import logging
 from dataclasses import dataclass
 
 from kvtransfer.backends.pair_client import PairUnavailable
-from kvtransfer.base import KVSender
-from kvtransfer.endpoint import PairEndpoint, choose_backend, ticket_backends
+from kvtransfer.backends.pool_share import PoolUnreachable
+from kvtransfer.base import KVSender, send_blocks
+from kvtransfer.endpoint import POOL_BACKENDS, PairEndpoint, choose_backend, ticket_backends
 from kvtransfer.state import KVLayout
 
 log = logging.getLogger("splitserve.prefill.kv")
@@ -40,7 +45,7 @@ class KVPusher:
                  layout: KVLayout, metrics, timeout_s: float = 30.0):
         if "grpc" not in senders:
             raise ValueError("the grpc sender is required (it is every pair's fallback)")
-        if want not in senders:
+        if want != "auto" and want not in senders:
             raise ValueError(f"no sender for the selected backend {want!r}")
         self.senders = senders
         self.want = want
@@ -56,7 +61,7 @@ class KVPusher:
         if c.code is not None:
             self._fallback(ticket.decode_address, c.code, c.why)
             return Route("grpc", self.senders["grpc"])
-        if c.backend == "grpc":
+        if c.backend == "grpc" or c.backend not in self.senders:  # auto without a shared pool
             return Route("grpc", self.senders["grpc"])
         sender = self.senders[c.backend]
         down = sender.unusable(ticket.decode_address)
@@ -92,6 +97,30 @@ class KVPusher:
             if tx is not None:
                 await tx.abort("prefill failed")
             raise
+        self.metrics.kv_transfers.labels(backend=route.backend).inc()
+        return nbytes, route.backend
+
+    @staticmethod
+    def is_pool(route: Route) -> bool:
+        return route.backend in POOL_BACKENDS
+
+    async def handoff(self, route: Route, ticket, request_id: str, engine, num_tokens: int,
+                      metadata: tuple = ()) -> tuple[int, str]:
+        """Pool backends, after the prompt's forward: decode copies the request's blocks from
+        our pool. -> (bytes, backend). A decode that cannot map the pool gets the KV over grpc."""
+        ids = await engine.reserved_block_ids(request_id)
+        scales = await engine.kv_scale_lists()
+        ks, vs = scales if scales is not None else (None, None)
+        try:
+            nbytes = await route.sender.handoff(ticket.decode_address, ticket.transfer_id, ids,
+                                                num_tokens, ks, vs, self.timeout_s, metadata)
+        except PoolUnreachable as e:  # nothing was touched on decode: send it the old way
+            self._fallback(ticket.decode_address, "pool_unreachable", str(e))
+            blocks = await engine.export_kv(request_id)
+            nbytes = await send_blocks(self.senders["grpc"], ticket.decode_address, ticket.transfer_id,
+                                       request_id, blocks, self.layout, self.timeout_s, metadata)
+            self.metrics.kv_transfers.labels(backend="grpc").inc()
+            return nbytes, "grpc"
         self.metrics.kv_transfers.labels(backend=route.backend).inc()
         return nbytes, route.backend
 

@@ -1,11 +1,13 @@
 """PrefillServicer: the gRPC edge of the prefill service (thin; the engine thread does the work).
 
 Prefill(request, ticket):
-  1. claim the request id in the engine with a layer stream (engine.stream_kv_layers)
+  1. claim the request id in the engine with a layer stream (engine.stream_kv_layers), except
+     on a pool backend (vmm / shm), where the KV stays in our shared pool
   2. engine.generate(prefill_only=True): while the prompt's last forward runs, each finished
      layer is handed to the KVPusher, which sends it to ticket.decode_address on the backend
      chosen for this pair (grpc / dist / nixl; prefill_svc/kv_push.py)
-  3. first token sampled -> wait for decode's ack of the whole KV
+  3. first token sampled -> wait for decode's ack of the whole KV (pool backends: one
+     PoolHandoff call naming our blocks; decode copies them and answers)
   4. release the blocks (always, also on failure / cancel; full blocks stay in the prefix cache)
 """
 from __future__ import annotations
@@ -74,18 +76,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             layers: asyncio.Queue = asyncio.Queue()
             self.in_flight += 1
             ok, added, push = False, False, None  # added: the engine holds the id (free it after)
+            pool = self.pusher.is_pool(route)  # the KV stays in our pool: no layers to stream
             try:
-                try:
-                    await self.engine.stream_kv_layers(rid, layers)
-                except InvalidRequestError as e:  # e.g. a duplicate id: nothing of ours is held
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                added = True
+                if not pool:
+                    try:
+                        await self.engine.stream_kv_layers(rid, layers)
+                    except InvalidRequestError as e:  # e.g. a duplicate id: nothing of ours is held
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    added = True
                 with span("kv.send", attributes={"splitserve.kv.backend": route.backend}) as ksp:
-                    push = loop.create_task(self.pusher.push(route, ticket, rid, layers, inject_metadata()))
-                    push.add_done_callback(_retrieve)  # an early failure is read below (or moot)
+                    if not pool:
+                        push = loop.create_task(self.pusher.push(route, ticket, rid, layers, inject_metadata()))
+                        push.add_done_callback(_retrieve)  # an early failure is read below (or moot)
                     first = None
                     try:
                         async for out in self.engine.generate(rid, prompt, params, prefill_only=True):
+                            added = True  # the engine took the id: free it after, whatever happens
                             if out.finish_reason == "error":
                                 raise RuntimeError(out.error or "prefill failed in the engine")
                             if out.new_token_ids:
@@ -93,6 +99,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     except InvalidRequestError as e:  # refused by add_request (e.g. bad token id)
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     except RuntimeError as e:  # engine error or engine thread died
+                        added = True
                         await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
                     if first is None:
                         await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
@@ -100,7 +107,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     try:
                         # NOTE: every layer was queued before the first token was delivered; the
                         # bound only guards against a transfer that never ends
-                        nbytes, backend = await asyncio.wait_for(push, self.pusher.timeout_s + 5)
+                        if pool:
+                            nbytes, backend = await asyncio.wait_for(
+                                self.pusher.handoff(route, ticket, rid, self.engine, len(prompt),
+                                                    inject_metadata()), self.pusher.timeout_s + 5)
+                        else:
+                            nbytes, backend = await asyncio.wait_for(push, self.pusher.timeout_s + 5)
                     except (TransferError, asyncio.TimeoutError, TimeoutError) as e:
                         self.metrics.kv_transfer_failures.labels(direction="send").inc()
                         await context.abort(grpc.StatusCode.UNAVAILABLE,

@@ -4,8 +4,9 @@ Starts prefill and decode (engine flags not known here are forwarded to both), w
 their ready files, starts the gateway pointing at them, waits for it, prints the URLs.
 
 Placement: `--prefill-gpu N --decode-gpu M` runs each service on its own GPU (`--device
-cuda:N` / `cuda:M`); on two different GPUs the KV transfer backend defaults to dist (NCCL,
-GPU to GPU). `--kv-transfer-backend` sets it explicitly for both services.
+cuda:N` / `cuda:M`); the KV transfer backend defaults to auto (vmm: decode maps prefill's
+KV pool and copies device to device, on one GPU or across GPUs of the host).
+`--kv-transfer-backend` sets it explicitly for both services.
 Ctrl-C / SIGTERM -> SIGTERM to all three, SIGKILL to any still alive after a grace period.
 If one child dies, the others are stopped and `up` exits non-zero.
 """
@@ -20,7 +21,7 @@ import tempfile
 import time
 
 GRACE_S = 10.0
-KV_BACKENDS = ("grpc", "dist", "nixl")
+KV_BACKENDS = ("auto", "grpc", "dist", "nixl", "vmm", "shm")  # kvtransfer.endpoint.BACKENDS
 
 
 class UpError(ValueError):
@@ -125,7 +126,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="run decode on cuda:M (with --prefill-gpu)")
     p.add_argument("--kv-transfer-backend", choices=KV_BACKENDS, default=None,
                    help="KV transfer between prefill and decode (SPLITSERVE_KV_TRANSFER_BACKEND); "
-                        "default: dist when the two run on different GPUs, else grpc")
+                        "default: auto (vmm / shm on one host, else grpc)")
 
 
 def _cuda_count() -> int:
@@ -159,11 +160,9 @@ def placement(a: argparse.Namespace, engine_args: list[str], cuda_count: int | N
         if not 0 <= g < n:
             raise UpError(f"--{name}-gpu {g}: this machine has {n} GPU(s) (0..{n - 1})")
     same = gpus["prefill"] == gpus["decode"]
-    if backend is None:
-        backend = "grpc" if same else "dist"
     if backend == "dist" and same:
         raise UpError(f"--kv-transfer-backend dist with prefill and decode both on GPU {gpus['prefill']}: "
-                      "NCCL cannot pair two ranks on one GPU; use two GPUs or --kv-transfer-backend grpc")
+                      "NCCL cannot pair two ranks on one GPU; use two GPUs or --kv-transfer-backend auto")
     for name, g in gpus.items():
         extra[name] += ["--device", f"cuda:{g}"]
     return extra, backend

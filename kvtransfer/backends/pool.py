@@ -29,14 +29,6 @@ from kvtransfer.state import TransferError
 
 log = logging.getLogger("splitserve.kvtransfer.pool")
 
-POOL_BACKENDS = {"vmm": "cuda_vmm", "shm": "memfd"}  # backend name -> engine.kv_memory kind
-
-
-def pool_backend_for(device: str) -> str:
-    """The pool backend for a KV cache on `device` ('cpu' -> shm, 'cuda:N' -> vmm)."""
-    return "vmm" if device.startswith("cuda") else "shm"
-
-
 MAX_RUNS = 8  # more runs than this: one gather + one scatter beats a copy per run
 
 
@@ -126,7 +118,7 @@ class PoolImporter:
             self.peers.pop(address, None)
             p.close()
             log.info("kv pool %s unmapped (its owner is gone or replaced)", address)
-        # else: the last copy from it unmaps it (handoff's finally)
+        # else: the last copy from it unmaps it (_copy_done)
 
     async def handoff(self, transfer_id: str, address: str, pool_id: str, src_ids: list[int],
                       num_tokens: int, k_scales=(), v_scales=()) -> tuple[int, float]:
@@ -147,21 +139,21 @@ class PoolImporter:
             raise TransferError(f"bad block ids for transfer {transfer_id}")
         nbytes = n * self.dst.shape[0] * self.dst.shape[2]
         self.receiver.on_data(transfer_id, nbytes)
-        fut = asyncio.get_running_loop().create_future()
-        self._copies[t.request_id] = fut
-        self._users[address] = self._users.get(address, 0) + 1
         t0 = time.perf_counter()
+        # NOTE: the copy runs to its end even if this call is cancelled (prefill gone): the
+        # blocks are freed only after it (settled), so nothing lands in reused blocks
+        task = asyncio.ensure_future(asyncio.to_thread(
+            copy_blocks, peer.blocks, src_ids, self.dst, dst_ids[:n], self._stream))
+        self._copies[t.request_id] = task
+        self._users[address] = self._users.get(address, 0) + 1
+        task.add_done_callback(lambda _t, rid=t.request_id: self._copy_done(rid, _t, address, peer))
         try:
-            await asyncio.to_thread(copy_blocks, peer.blocks, src_ids, self.dst, dst_ids[:n], self._stream)
-        finally:
-            fut.set_result(None)
-            self._copies.pop(t.request_id, None)
-            self._users[address] -= 1
-            if peer.dead.is_set() or self.peers.get(address) is not peer:
-                if self._users[address] == 0 and self.peers.get(address) is peer:
-                    self._drop(address)
-                elif self._users[address] == 0:
-                    peer.close()
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed copy fails this transfer only
+            self.receiver.fail(transfer_id, f"pool copy failed: {e!r}")
+            raise TransferError(f"pool copy for transfer {transfer_id} failed: {e!r}") from e
         copy_ms = (time.perf_counter() - t0) * 1e3
         shape = (2, n, lay.block_size, lay.num_kv_heads, lay.head_dim)
         fp8 = len(k_scales) == lay.num_layers
@@ -172,11 +164,23 @@ class PoolImporter:
         self.bytes_moved += nbytes
         return nbytes, copy_ms
 
+    def _copy_done(self, rid: str, task, address: str, peer: PeerPool) -> None:
+        if self._copies.get(rid) is task:
+            self._copies.pop(rid)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("kv pool copy for %s failed: %r", rid, task.exception())
+        self._users[address] -= 1
+        if self._users[address] == 0 and (peer.dead.is_set() or self.peers.get(address) is not peer):
+            if self.peers.get(address) is peer:
+                self._drop(address)
+            else:
+                peer.close()  # replaced while this copy ran
+
     async def settled(self, request_id: str) -> None:
         """Wait until no copy into `request_id`'s blocks is running."""
-        fut = self._copies.get(request_id)
-        if fut is not None:
-            await asyncio.shield(fut)
+        task = self._copies.get(request_id)
+        if task is not None:
+            await asyncio.wait([task])
 
     def close(self) -> None:
         for a in list(self.peers):

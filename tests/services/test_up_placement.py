@@ -1,5 +1,5 @@
-"""`splitserve up --prefill-gpu N --decode-gpu M`: each service on its own device, dist (NCCL)
-by default on two GPUs, and clear errors (before anything starts) for flags that cannot work."""
+"""`splitserve up --prefill-gpu N --decode-gpu M`: each service on its own device, the services'
+default backend (auto: vmm on one host) unless one is given, and clear errors (before anything starts) for flags that cannot work."""
 from __future__ import annotations
 
 import argparse
@@ -23,13 +23,13 @@ def _place(*argv, cuda=2):
     return up.placement(a, rest, cuda_count=cuda)
 
 
-def test_two_gpus_get_their_devices_and_dist(monkeypatch):
+def test_two_gpus_get_their_devices_and_the_services_default(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_KV_TRANSFER_BACKEND", raising=False)
     extra, backend = _place("--prefill-gpu", "0", "--decode-gpu", "1")
     assert extra == {"prefill": ["--device", "cuda:0"], "decode": ["--device", "cuda:1"]}
-    assert backend == "dist"
-    assert _place("--prefill-gpu", "1", "--decode-gpu", "0", "--kv-transfer-backend", "grpc")[1] == "grpc"
-    assert _place("--prefill-gpu", "0", "--decode-gpu", "0")[1] == "grpc"  # one GPU: grpc default
+    assert backend is None  # the services' default: auto
+    assert _place("--prefill-gpu", "1", "--decode-gpu", "0", "--kv-transfer-backend", "dist")[1] == "dist"
+    assert _place("--prefill-gpu", "0", "--decode-gpu", "0")[1] is None
     assert _place(cuda=0) == ({"prefill": [], "decode": []}, None)  # no GPU flags: as before
     monkeypatch.setenv("SPLITSERVE_KV_TRANSFER_BACKEND", "grpc")
     assert _place("--prefill-gpu", "0", "--decode-gpu", "1")[1] == "grpc"  # env wins over the default
