@@ -3,7 +3,7 @@ same cases with the same flags, in one run (issue 23).
 
     python -m bench.pd_system --model default --device cpu --clients 4 --prompt-len 32 \\
         --max-tokens 16 --ttft-prompts 16,64 --reps 2
-    python -m bench.pd_system --model dummy:llama-3.1-8b --device cuda [--kv-backend grpc]
+    python -m bench.pd_system --model dummy:llama-3.1-8b --device cuda [--kv-backend auto|vmm|grpc]
 
 1. The engine alone: an in-process Engine built from the engine flags (common/service_args.py,
    as a colocated engine: role and prefix caching as prefill's; prompts are random, so no cache
@@ -67,7 +67,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lp-batch", type=int, default=4, help="requests in the logprobs cases")
     ap.add_argument("--logprobs", type=int, default=1, help="top-N in the logprobs-on case")
-    ap.add_argument("--kv-backend", choices=("grpc", "dist", "nixl"), default=None)
+    ap.add_argument("--kv-backend", choices=("auto", "grpc", "dist", "nixl", "vmm", "shm"), default=None)
     ap.add_argument("--api", choices=("grpc", "rest"), default="grpc")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     a, rest = ap.parse_known_args(argv)
