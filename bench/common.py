@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: environment record, JSON result writing, module switches."""
+"""Shared benchmark helpers: environment record, JSON result writing, kernel option specs."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,41 +58,56 @@ def print_table(rows: list[dict], cols: list[str], float_fmt: str | None = None)
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
 
 
-def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
-    """'pkg.mod[.Class].NAME=VALUE&...' -> [(module or class, NAME, value)]. VALUE is a Python
-    literal; a dict for a dataclass attribute replaces those fields of its current value. NAME
-    must already exist (a typo is an error, not a silent new attribute)."""
+def kernel_options(spec: str, base=None):
+    """'NAME=VALUE,...' -> `base` (default: KernelOptions()) with those fields replaced, e.g.
+    'batch_tile=False,pdl_rmsnorm=True' or "tile_16bit={'block_n': 64, 'num_warps': 4}".
+    VALUE is a Python literal; tile_16bit also takes a dict of the DecodeTile fields to change
+    or a whole (block_n, num_warps, num_stages, prefetch, programs_per_sm, min_tiles_per_split)
+    tuple. Raises ValueError naming the problem (an unknown NAME lists the known ones)."""
     import ast
-    import importlib
 
-    out = []
-    for part in spec.split("&"):
-        target, _, text = part.partition("=")
-        names = target.strip().split(".")
-        if len(names) < 2 or not text:
-            raise SystemExit(f"switch {part!r}: want module[.Class].NAME=VALUE")
-        obj, i = None, len(names) - 1
-        while i > 0 and obj is None:  # the longest importable module prefix
-            try:
-                obj = importlib.import_module(".".join(names[:i]))
-            except ImportError:
-                i -= 1
-        if obj is None:
-            raise SystemExit(f"switch {part!r}: no importable module in {target!r}")
-        for name in names[i:-1]:
-            obj = getattr(obj, name, None)
-        if obj is None or not hasattr(obj, names[-1]):
-            raise SystemExit(f"switch {part!r}: {target!r} does not exist")
+    from engine.kernels.options import DecodeTile, KernelOptions
+
+    base = KernelOptions() if base is None else base
+    if not spec.strip():
+        return base
+    try:
+        call = ast.parse(f"_({spec})", mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"kernel options {spec!r}: want NAME=VALUE[,NAME=VALUE...]") from None
+    if call.args or any(kw.arg is None for kw in call.keywords):
+        raise ValueError(f"kernel options {spec!r}: every item must be NAME=VALUE")
+    known = {f.name for f in dataclasses.fields(KernelOptions)}
+    changes = {}
+    for kw in call.keywords:
+        if kw.arg not in known:
+            raise ValueError(f"kernel options: unknown option {kw.arg!r} "
+                             f"(known: {', '.join(sorted(known))})")
+        if kw.arg in changes:
+            raise ValueError(f"kernel options {spec!r}: {kw.arg} given twice")
         try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"switch {part!r}: {text!r} is not a Python literal") from None
-        current = getattr(obj, names[-1])
-        if dataclasses.is_dataclass(current) and isinstance(value, dict):
-            # a frozen config (e.g. decode_tiles.TILE_16BIT): the given fields replaced
+            value = ast.literal_eval(kw.value)
+        except ValueError:
+            raise ValueError(f"kernel options: {kw.arg}={ast.unparse(kw.value)} "
+                             "is not a Python literal") from None
+        if kw.arg == "tile_16bit" and isinstance(value, (dict, tuple, list)):
             try:
-                value = dataclasses.replace(current, **value)
-            except TypeError as e:
-                raise SystemExit(f"switch {part!r}: {e}") from None
-        out.append((obj, names[-1], value))
-    return out
+                value = (dataclasses.replace(base.tile_16bit, **value) if isinstance(value, dict)
+                         else DecodeTile(*value))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"kernel options: tile_16bit={value!r}: {e}") from None
+        changes[kw.arg] = value
+    try:
+        return dataclasses.replace(base, **changes)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"kernel options {spec!r}: {e}") from None
+
+
+def with_kernels(eng, kernels):
+    """`eng` itself when it runs `kernels`, else a new engine of eng's config with them (the A/B
+    tools build one engine per side; the caller drops eng when it no longer needs it)."""
+    if eng.cfg.kernels == kernels:
+        return eng
+    from engine.engine import Engine
+
+    return Engine(dataclasses.replace(eng.cfg, kernels=kernels))

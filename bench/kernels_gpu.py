@@ -42,7 +42,7 @@ from engine.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
 from engine.kernels.rotary import rotary_neox_  # noqa: E402
 from engine.layers.attention import KVScales, TorchAttentionBackend  # noqa: E402
 from engine.layers.attention_triton import TritonAttentionBackend  # noqa: E402
-from tests.kernels._util import make_batch  # noqa: E402
+from tests.engine.kernels._util import make_batch  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128  # Llama-3.1-8B
 DEV = "cuda"

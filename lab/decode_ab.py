@@ -1,9 +1,11 @@
-"""Decode attention tuning and A/B on one GPU. Engine A/Bs interleave captures (A, B, A, B, ...)
-and take medians, because re-capturing the same graph moves step times by up to 5% on the H200.
+"""Decode attention tuning and A/B on one GPU. Engine A/Bs build one engine per side (each with
+its KernelOptions), interleave their captures (A, B, A, B, ...) and take medians, because
+re-capturing the same graph moves step times by up to 5% on the H200.
 
-    python -m bench.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
-                              [--fused-ab | --attn-cost | --tile-b SPECS | --attr-b SPECS
-                               | --table-ab CANDIDATE.json [--cases ...]]
+    python -m lab.decode_ab [--shapes llama-3.1-8b] [--reps 3] [--attn-tiles] [--attn-splits]
+                            [--fused-ab | --attn-cost | --kernel-options-b SPECS
+                             | --table-ab CANDIDATE.json[,...]] [--kernel-options-a SPEC]
+                            [--cases 1:1024,...]
 
 --attn-tiles / --attn-splits: paged decode attention tiles (block_n, warps, stages, register
 prefetch) and split counts as the step runs the kernel (the engine's cache layout, scattered
@@ -14,39 +16,18 @@ decode steps replayed as CUDA graphs (random bf16 weights), the previous 16-bit 
 --fused-ab: whole decode steps at 24-64 rows, cuBLAS matmuls (A: the fused skinny path only up
 to 16 rows) vs the fused path up to 64 rows (B: each op our kernel or cuBLAS, as the tuned
 table says).
---tile-b: whole decode steps, the default 16-bit decode attention tile (A) vs each given tile
-(the batch tiles off on both sides).
---attr-b: whole decode steps, a module-level switch at its current value (A) vs the given one
-(B), e.g. --attr-b "engine.kernels.rmsnorm.PDL=False"; SPECS separated by ';' are separate
-A/Bs, and one spec may set several attributes joined by '&' (a candidate skinny table with
-other switches: engine.kernels.skinny_configs.CONFIG_DIR='DIR' holding skinny_gemm-<gpu>.json;
-a dataclass attribute takes a dict of the fields to change, e.g.
-engine.kernels.decode_tiles.TILE_16BIT={'block_n': 32, 'num_warps': 4}).
+--kernel-options-b: whole decode steps, the engine on KernelOptions A (--kernel-options-a,
+default: the defaults) vs A with SPEC applied (B), e.g. --kernel-options-b 'pdl_rmsnorm=True';
+SPECS separated by ';' are separate A/Bs; a SPEC is NAME=VALUE[,NAME=VALUE...] of
+engine/kernels/options.py's fields (bench.common.kernel_options), e.g. a decode attention tile
+at every batch: "tile_16bit={'block_n': 32, 'num_warps': 4},batch_tile=False,few_tile=False".
 --attn-cost: diagnostic, whole decode steps with attention (A) vs with the attention call
 skipped (B), i.e. what attention costs inside a step, for the cases of --cases.
 --table-ab: whole decode steps with the shipped tuned skinny-GEMM table (A) vs a candidate
-table (B, e.g. `bench.skinny_gemm_sweep --write-table --table-out F`): the step-level check
-of a table change, since isolated matmul timings miss launch overlap (PDL) and L2 effects.
-Prints tables and writes bench/results/decode_ab-*.json.
-
-Also measured with this script on 2026-12-03 (H200) and dropped, both within noise or worse
-(bench/results/decode_ab-20261203T002416, -T023036): a heads-first grid order (Hkv, S,
-splits) for the decode kernel (+-0.5%), and an L2 bulk prefetch (cp.async.bulk.prefetch.L2)
-of o_proj's weight issued by the attention kernel before its grid-dependency wait (8B batch
-1: +1.3% step time; micro: o_proj 13.3 us from DRAM, still 8.7 us from L2, and the
-prefetch slowed attention by 3.3 us). And on 2026-12-03 later: the split results merged by
-the last split to finish instead of the reduce kernel (-T061429; 8B batch 1 +8% / +4.5% at
-ctx 1024 / 4096, batches 4-16 0.7-1.1% faster, noise), and (-T074351) each split's first
-K/V tile loaded before the PDL wait, the new token's row patched in after it (8B: batch 1
--0.5% / +1.7% at ctx 1024 / 4096, batch 8 +4.3%, batch 64 +1.1%). And (-T082351, run with
-`bash lab/gpu_session.sh variants`) an L2 bulk prefetch window in the one-row skinny
-matmuls, issued by the matmul's own programs: 8B batch 1 o_proj / qkv within noise, gate_up
-and down +4-6% each, all four +8-9%. Sixth session (--attr-b, 8B batch 1): the rmsnorm kernel
-on PDL +10% (-T124409), every kernel triggering its dependent late +6% (-T125629), cuts in the
-PDL chain before o_proj / the reduce / qkv +0.2-1.9% (-T132155); small attention tiles at batch
-1 -1.4..+4% (-T124610); rotary fused at 16-64 sequences -1.4..-0.2% (-T130640, shipped).
-Eighth session (8B, medians of 5, -T153107): at batches 4-16 the reduce kernel without PDL
--0.4..+4.2%, and half the splits (TILE_16BIT programs_per_sm 1) +0.5..+8%.
+table (B: KernelOptions.skinny_table, e.g. from `lab.skinny_gemm_sweep --write-table
+--table-out F`): the step-level check of a table change, since isolated matmul timings miss
+launch overlap (PDL) and L2 effects; each side takes its table's fused-path batch sizes.
+Prints tables and writes lab/results/decode_ab-*.json. Past runs: lab/notes/kernels.md.
 """
 from __future__ import annotations
 
@@ -54,15 +35,17 @@ import argparse
 import gc
 import logging
 import statistics
+from dataclasses import replace
 
 import torch
 
 import engine.kernels.decode_attention as da
 import engine.kernels.decode_tiles as dt
 import engine.kernels.trace as trace
-from bench.common import parse_attrs, print_table, write_result
+from bench.common import kernel_options, print_table, with_kernels, write_result
 from bench.engine_gpu_steps import make_engine, time_decode
 from bench.timing import copy_bandwidth_gbs, graph_time_ms
+from engine.kernels.options import KernelOptions
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -71,10 +54,7 @@ def _attn_inputs(batch: int, ctx: int, device="cuda", hq: int = HQ, hkv: int = H
     """A decode step's attention inputs as the engine has them: the engine's per-layer cache
     layout [2, blocks, BS, Hkv, D], `ctx` cached tokens plus the new one (seq_len ctx + 1)
     on scattered blocks, and the fused rotary + KV append (new_kv) the step uses.
-    (Before 2026-12-03 this took a [blocks, 2, ...] cache, which the kernel addresses as
-    [2, ...]: K and V reads then overlapped in memory, half the bytes came from L2, and b=64
-    ctx=2048 timed 117 us where the engine's layout takes 131.5; attn_gap in the README.
-    tests/kernels/test_bench_attn_inputs.py checks the kernel on these inputs against the reference.)"""
+    (tests/lab/test_decode_ab_inputs.py checks the kernel on these inputs against the reference.)"""
     d = D if d is None else d
     n = ctx + 1
     nblk = -(-n // BS)
@@ -153,57 +133,41 @@ def attention_splits(d: int = D) -> list[dict]:
     return rows
 
 
-# the 16-bit tile before 2026-12-03; its split rule then rounded programs_per_sm x SMs / pairs
-# up (ceil) where the current rule rounds down, a difference of at most one split
+# the 16-bit tile before the 128-token one (lab/notes/kernels.md); its split rule then rounded
+# programs_per_sm x SMs / pairs up (ceil) where the current rule rounds down (<= one split apart)
 OLD_TILE = dt.DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
+# the small-batch tile at every batch: neither the batch nor the few-sequence tile takes over
+EVERY_BATCH = KernelOptions(batch_tile=False, few_tile=False)
 
 
-def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=None, name="attn tile old(A)/new(B)",
+def engine_tile_ab(shape: str, reps: int, tile_a=OLD_TILE, tile_b=dt.TILE_16BIT,
+                   name="attn tile old(A)/new(B)",
                    cases=((1, 1024), (8, 1024), (16, 1024), (32, 1024), (64, 1024), (64, 2048))
                    ) -> list[dict]:
     """Whole decode steps: the 16-bit decode attention tile tile_a (default: the tile before
-    2026-12-03) vs tile_b (default: the current one), at every batch: the batch tiles are off
-    on both sides, else batches that fill the default tile's wave would run the same tile."""
-    new, batch_tile = dt.TILE_16BIT, dt.BATCH_TILE
-
-    def tile(t):
-        def use(_eng):
-            dt.TILE_16BIT, dt.BATCH_TILE = t, False
-        return use
-
-    try:
-        return _ab(shape, name, cases, tile(tile_a), tile(tile_b or new), reps)
-    finally:
-        dt.TILE_16BIT, dt.BATCH_TILE = new, batch_tile
-
-
-def parse_tile(spec: str) -> dt.DecodeTile:
-    """'128,8,3,0,2,1' -> DecodeTile(block_n, warps, stages, prefetch, programs_per_sm,
-    min_tiles_per_split)."""
-    v = [int(x) for x in spec.split(",")]
-    if len(v) != 6:
-        raise SystemExit(f"--tile-b {spec!r}: want BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES")
-    return dt.DecodeTile(v[0], v[1], v[2], bool(v[3]), programs_per_sm=v[4], min_tiles_per_split=v[5])
+    the 128-token one) vs tile_b (default: the current one), each run at every batch."""
+    return _ab(shape, name, cases, reps, (replace(EVERY_BATCH, tile_16bit=tile_a),
+                                          replace(EVERY_BATCH, tile_16bit=tile_b)))
 
 
 def engine_attn_cost_ab(shape: str, reps: int, cases) -> list[dict]:
     """Diagnostic, not a correct model: whole decode steps with attention (A) vs with the
     attention call returning q unchanged (B: no attention kernels at all), so A - B is what
     attention costs inside a step (launch seams and PDL overlap included), to set against
-    its isolated kernel time."""
-    from engine.layers.attention_triton import TritonAttentionBackend as T
-    orig = T.forward_rope
-
-    def skip(self, layer, q, k, v, rope, kv_cache, meta, kv_scales=None):
+    its isolated kernel time. B overrides forward_rope on the engine's backend object only."""
+    def skip(layer, q, k, v, rope, kv_cache, meta, kv_scales=None):
         return q
 
-    def use(fn):
-        return lambda _eng: setattr(T, "forward_rope", fn)
+    def attend(on):
+        def use(eng):
+            be = eng.runner.model.attn_backend
+            if on:
+                be.__dict__.pop("forward_rope", None)  # the class's method again
+            else:
+                be.forward_rope = skip
+        return use
 
-    try:
-        return _ab(shape, "attention(A)/none(B)", cases, use(orig), use(skip), reps)
-    finally:
-        T.forward_rope = orig
+    return _ab(shape, "attention(A)/none(B)", cases, reps, setters=(attend(True), attend(False)))
 
 
 def engine_fused_ab(shape: str, reps: int) -> list[dict]:
@@ -214,74 +178,48 @@ def engine_fused_ab(shape: str, reps: int) -> list[dict]:
         return set_rows
 
     cases = [(24, 1024), (32, 1024), (48, 2048), (64, 1024), (64, 2048)]
-    return _ab(shape, "matmuls cuBLAS(A)/fused(B)", cases, rows(16), rows(64), reps)
+    return _ab(shape, "matmuls cuBLAS(A)/fused(B)", cases, reps, setters=(rows(16), rows(64)))
 
 
-def engine_table_ab(shape: str, reps: int, candidate: str, cases) -> list[dict]:
-    """Whole decode steps: the shipped skinny-GEMM table (A) vs the candidate table file (B);
-    the model's fused-path batch sizes stay those of the shipped table."""
-    import engine.kernels.skinny_configs as sc
-
-    shipped = sc.table_path
-
-    def table(path_fn):
-        def use(_eng=None):
-            sc.table_path = path_fn
-            sc.forget_cached()
-        return use
-
-    try:
-        return _ab(shape, "skinny table shipped(A)/candidate(B)", cases, table(shipped),
-                   table(lambda _name: candidate), reps)
-    finally:
-        table(shipped)()
+def engine_table_ab(shape: str, reps: int, candidate: str, cases, base: KernelOptions) -> list[dict]:
+    """Whole decode steps: the shipped skinny-GEMM table (A) vs the candidate table file (B)."""
+    return _ab(shape, "skinny table shipped(A)/candidate(B)", cases, reps,
+               (base, replace(base, skinny_table=candidate)))
 
 
-def engine_attr_ab(shape: str, reps: int, spec: str, cases) -> list[dict]:
-    """Whole decode steps: module attributes at their current values (A) vs set as in spec (B)."""
-    sets = parse_attrs(spec)
-    orig = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
-
-    def assign(pairs):
-        def use(_eng=None):
-            import engine.kernels.skinny_configs as sc
-
-            for mod, attr, value in pairs:
-                setattr(mod, attr, value)
-            # a switch of skinny_configs.CONFIG_DIR (a directory holding a candidate
-            # skinny_gemm-<gpu>.json) takes effect now
-            sc.forget_cached()
-        return use
-
-    try:
-        return _ab(shape, f"attr default(A)/{spec}(B)", cases, assign(orig), assign(sets), reps)
-    finally:
-        assign(orig)()
+def engine_kernels_ab(shape: str, reps: int, base: KernelOptions, spec: str, cases) -> list[dict]:
+    """Whole decode steps: the engine on KernelOptions base (A) vs base with spec applied (B)."""
+    return _ab(shape, f"kernels A/{spec}(B)", cases, reps, (base, kernel_options(spec, base)))
 
 
-def _ab(shape: str, name: str, cases, set_a, set_b, reps: int) -> list[dict]:
-    """One engine sized for `cases` (batch, ctx); per rep, set_a(eng) then set_b(eng), each
-    followed by a graph re-capture and a timed step per case; medians per side. The step is
-    the staged graph's replay (time_decode's replay_ms: GPU time, no host staging, whose
-    jitter made A/Bs before 2026-12-03 19:20 bimodal by ~3%)."""
+def _ab(shape: str, name: str, cases, reps: int, kernels=(KernelOptions(), KernelOptions()),
+        setters=(None, None)) -> list[dict]:
+    """One engine per KernelOptions side (one for both when equal) sized for `cases` (batch,
+    ctx); per rep, side A then side B: its setter(eng) if any, a graph re-capture and a timed
+    step per case; medians per side. The step is the staged graph's replay (time_decode's
+    replay_ms: GPU time, without the host staging's jitter)."""
     cases = list(cases)
     max_ctx = max(c for _, c in cases)
     max_b = max(b for b, _ in cases)
-    eng = make_engine(shape, max_b, max_ctx, eager=False,
-                      num_blocks=max_b * (-(-(max_ctx + 1) // BS)) + 8, prefill_graphs=False)
+    first = make_engine(shape, max_b, max_ctx, eager=False,
+                        num_blocks=max_b * (-(-(max_ctx + 1) // BS)) + 8, prefill_graphs=False)
+    eng_a = with_kernels(first, kernels[0])
+    del first  # freed here when side A runs other options
+    eng_b = with_kernels(eng_a, kernels[1])
     t = {c: {"A": [], "B": []} for c in cases}
     try:
         for _ in range(reps):
-            for side, setter in (("A", set_a), ("B", set_b)):
-                setter(eng)
-                if trace.ENABLED:  # a switch may trace (timing what stamps cost): fresh arena slices
+            for side, eng, setter in (("A", eng_a, setters[0]), ("B", eng_b, setters[1])):
+                if setter is not None:
+                    setter(eng)
+                if eng.cfg.kernels.trace:  # timing what the stamps cost: fresh arena slices
                     trace.reset()
                 eng.runner.maybe_capture_graphs(eng.max_model_len, eng.runner.model.attn_backend.name)
                 for b, c in cases:
                     td = time_decode(eng, b, c, eager=False)
                     t[(b, c)][side].append(td.get("replay_ms", td["graph_ms"]))
     finally:
-        del eng
+        eng_a = eng_b = eng = None
         gc.collect()
         torch.cuda.empty_cache()
     rows = []
@@ -308,15 +246,21 @@ def main() -> None:
                     help="engine A/B of the matmul path at 32-64 rows instead of the tile A/B")
     ap.add_argument("--table-ab", default=None, metavar="CANDIDATE.json[,...]",
                     help="engine A/B of the shipped skinny-GEMM table vs each of these instead")
-    ap.add_argument("--tile-b", default=None, metavar="BN,WARPS,STAGES,PREFETCH,PPS,MIN_TILES;...",
-                    help="engine A/B of the default 16-bit decode attention tile vs each of these")
-    ap.add_argument("--attr-b", default=None, metavar="MODULE.NAME=VALUE[&...];...",
-                    help="engine A/B of module switches at their defaults vs these values")
+    ap.add_argument("--kernel-options-a", default="", metavar="NAME=VALUE[,...]",
+                    help="KernelOptions of side A (and the base of B) of --kernel-options-b / --table-ab")
+    ap.add_argument("--kernel-options-b", default=None, metavar="NAME=VALUE[,...][;...]",
+                    help="engine A/B of KernelOptions A vs A with each of these applied")
     ap.add_argument("--attn-cost", action="store_true",
                     help="diagnostic engine A/B: steps with vs without attention (--cases)")
     ap.add_argument("--cases", default="1:1024,8:1024,16:1024,64:2048",
-                    help="batch:ctx cases of --table-ab / --tile-b / --attr-b")
+                    help="batch:ctx cases of --table-ab / --kernel-options-b / --attn-cost")
     a = ap.parse_args()
+    try:  # every spec checked before any GPU work
+        base = kernel_options(a.kernel_options_a)
+        for spec in (a.kernel_options_b or "").split(";"):
+            kernel_options(spec, base)
+    except ValueError as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.WARNING)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
@@ -330,32 +274,28 @@ def main() -> None:
             if a.table_ab:
                 for cand in a.table_ab.split(","):
                     print(f"[{shape}] skinny table A/B: {cand}", flush=True)
-                    erows += engine_table_ab(shape, a.reps, cand, cases)
+                    erows += engine_table_ab(shape, a.reps, cand, cases, base)
                 continue
-            if a.attr_b:
-                for spec in a.attr_b.split(";"):
-                    print(f"[{shape}] switch A/B: default vs {spec}", flush=True)
-                    erows += engine_attr_ab(shape, a.reps, spec, cases)
+            if a.kernel_options_b:
+                for spec in a.kernel_options_b.split(";"):
+                    print(f"[{shape}] kernel options A/B: {a.kernel_options_a or 'defaults'} vs {spec}",
+                          flush=True)
+                    erows += engine_kernels_ab(shape, a.reps, base, spec, cases)
                 continue
             if a.attn_cost:
                 print(f"[{shape}] attention cost in the step (A/B without it)", flush=True)
                 erows += engine_attn_cost_ab(shape, a.reps, cases)
                 continue
-            if a.tile_b:
-                for spec in a.tile_b.split(";"):
-                    tile = parse_tile(spec)
-                    print(f"[{shape}] attention tile A/B: default vs {tile}", flush=True)
-                    erows += engine_tile_ab(shape, a.reps, dt.TILE_16BIT, tile,
-                                            f"attn tile default(A)/{spec}(B)", cases)
-                continue
             print(f"[{shape}] {'matmul path' if a.fused_ab else 'attention tile'} A/B", flush=True)
             erows += (engine_fused_ab if a.fused_ab else engine_tile_ab)(shape, a.reps)
     if erows:
         print_table(erows, ["shape", "case", "A_ms", "B_ms", "B/A"])
+    engine_ab = a.table_ab or a.kernel_options_b or a.attn_cost
     path = write_result("decode_ab", {"shapes": a.shapes, "reps": a.reps, "fused_ab": a.fused_ab,
-                                      "table_ab": a.table_ab, "tile_b": a.tile_b, "attr_b": a.attr_b, "attn_cost": a.attn_cost,
-                                      "cases": a.cases if a.table_ab or a.tile_b or a.attr_b or a.attn_cost else None, "copy_gbs": round(bw, 1), "attn_head_dim": a.attn_head_dim,
-                                      "dtype": "bf16", "block_size": BS},
+                                      "table_ab": a.table_ab, "kernel_options_a": a.kernel_options_a,
+                                      "kernel_options_b": a.kernel_options_b, "attn_cost": a.attn_cost,
+                                      "cases": a.cases if engine_ab else None, "copy_gbs": round(bw, 1),
+                                      "attn_head_dim": a.attn_head_dim, "dtype": "bf16", "block_size": BS},
                         {"engine": erows, "attn_tiles": trows})
     print("wrote", path)
 

@@ -27,13 +27,13 @@ for s in $steps; do
       timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_gtests.log" | tail -8 ;;
     ktests)
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
-        tests/kernels/test_skinny_gemm.py tests/kernels/test_model_skinny.py \
-        tests/kernels/test_decode_attention.py tests/kernels/test_attention_triton.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
+        tests/engine/kernels/test_skinny_gemm.py tests/engine/kernels/test_model_skinny.py \
+        tests/engine/kernels/test_decode_attention.py tests/engine/kernels/test_attention_triton.py tests/gpu 2>&1 | tee "$OUT/gpu_ktests.log" | tail -8 ;;
     ab)
       timeout 400 python3 -m lab.decode_ab ${AB_ARGS:-} 2>&1 | tee "$OUT/decode_ab.log" | tail -40 ;;
     tests)
       SPLITSERVE_KERNEL_TESTS_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
-        tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+        tests/engine/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     engine)
       timeout 260 python3 -m bench.engine_gpu 2>&1 | tee "$OUT/engine_gpu.log" | grep -v "splitserve\." | tail -60 ;;
     sweep)

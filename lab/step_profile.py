@@ -3,9 +3,9 @@ torch.profiler (CUPTI records the kernels a graph replay launches): kernel time 
 launches per step, and the gap = step wall time - summed kernel time (launch latency,
 dependency waits, host staging), which PDL and fewer kernels per layer attack.
 
-    python -m bench.step_profile [--cases llama-3.2-1b:1:1024,llama-3.1-8b:64:2048:fused]
-                                 [--timeline | --stamps] [--table CANDIDATE.json]
-                                 [--attr MOD.NAME=VALUE[&...]]
+    python -m lab.step_profile [--cases llama-3.2-1b:1:1024,llama-3.1-8b:64:2048:fused]
+                               [--timeline | --stamps] [--table CANDIDATE.json]
+                               [--kernel-options NAME=VALUE[,...]]
 
 A case's optional 4th field `fused` runs the fused skinny matmuls for every batch up to 64
 rows (else the tuned table decides, as in serving).
@@ -14,9 +14,11 @@ position in a layer (qkv, attention split, reduce, o_proj, ...), the median over
 its duration (first program start to last program end; with PDL that includes time spent
 waiting for the previous kernel) and of what it adds to the step (its end minus the previous
 kernel's end): the in-step counterpart of an isolated timing, to compare a table's ops
-inside the step (--table runs the engine on a candidate skinny-GEMM table instead; --attr
-sets module switches first, as bench.decode_ab --attr-b does for its B side).
---stamps: the step captured with in-kernel timestamps (engine/kernels/trace.py): per position
+inside the step (--table runs the engine on a candidate skinny-GEMM table instead, i.e.
+KernelOptions.skinny_table; --kernel-options builds it with other KernelOptions, the spec of
+lab.decode_ab --kernel-options-b).
+--stamps: the step captured with in-kernel timestamps (KernelOptions.trace, engine/kernels/
+trace.py; add trace_probe=True to --kernel-options for the split's first loads): per position
 of the per-layer pattern, medians over layers and replays, in us relative to the previous
 kernel's last program end (t=0): when its first program became resident, when its
 grid-dependency wait released (first / last program), the decode split's midpoints (rotary +
@@ -31,15 +33,17 @@ import argparse
 import gc
 import logging
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
-from bench.common import parse_attrs, print_table, write_result
+from bench.common import kernel_options, print_table, with_kernels, write_result
 from bench.engine_gpu_steps import decode_inputs, make_engine, rows_of
 from lab.kernel_resources import COLUMNS as RES_COLUMNS
 from lab.kernel_resources import compiled_rows
 from bench.timing import cuda_time_ms
 from engine.kernels import trace
+from engine.kernels.options import KernelOptions
 
 KINDS = (("skinny", "matmul (fused skinny)"), ("gemm", "matmul (cuBLAS)"), ("nvjet", "matmul (cuBLAS)"),
          ("cutlass", "matmul (cuBLAS)"), ("decode_split", "attention"), ("decode_reduce", "attention"),
@@ -102,14 +106,13 @@ def step_kernels(prof) -> list[tuple[str, float, float]]:
 
 @torch.inference_mode()
 def profile_case(shape: str, batch: int, ctx: int, steps: int = 20, fused: bool = False,
-                 timeline: bool = False, stamps: bool = False) -> list[dict]:
+                 timeline: bool = False, stamps: bool = False,
+                 kernels: KernelOptions = KernelOptions()) -> list[dict]:
     trace.reset()
-    trace.ENABLED = stamps  # read by every launch, the graph capture's included
-    try:
-        eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
-                          prefill_graphs=False, skinny_max_batch=64 if fused else None)
-    finally:
-        trace.ENABLED = False
+    eng = make_engine(shape, batch, ctx, eager=False, num_blocks=batch * (-(-(ctx + 1) // 16)) + 8,
+                      prefill_graphs=False, skinny_max_batch=64 if fused else None)
+    # the engine on these options (its graphs captured with the stamps when tracing)
+    eng = with_kernels(eng, replace(kernels, trace=kernels.trace or stamps))
     r = eng.runner
     ids, _, meta = decode_inputs(eng, batch, ctx)
     rows = rows_of(ids, meta, ctx)
@@ -168,7 +171,7 @@ def stamp_features(bufs: list[tuple[str, "torch.Tensor"]]) -> list[dict]:
             row["rope_kv"] = us(b[:, 3].median())
             row["attended"] = us(b[:, 4].max())
             if bool(((b[:, 6] >= b[:, 1]) & (b[:, 7] >= b[:, 6]) & (b[:, 7] <= b[:, 5])).all()):
-                # trace.PROBE: block ids, then K/V loaded
+                # KernelOptions.trace_probe: block ids, then K/V loaded
                 row["probe_bt"] = us(b[:, 6].median())
                 row["probe_kv"] = us(b[:, 7].median())
         out.append(row)
@@ -270,21 +273,21 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="per-layer kernel pattern, in-step times")
     ap.add_argument("--stamps", action="store_true", help="in-kernel timestamps, per-layer phases")
     ap.add_argument("--table", default=None, help="a candidate skinny-GEMM table file to run with")
-    ap.add_argument("--attr", default=None, help="module switches, e.g. engine.kernels.rmsnorm.PDL=True")
+    ap.add_argument("--kernel-options", default="", metavar="NAME=VALUE[,...]",
+                    help="KernelOptions of the engine, e.g. pdl_rmsnorm=True (lab.decode_ab's spec)")
     a = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    import engine.kernels.skinny_configs as sc
-
-    for obj, name, value in parse_attrs(a.attr) if a.attr else []:
-        setattr(obj, name, value)
+    try:
+        kernels = kernel_options(a.kernel_options)
+    except ValueError as e:
+        ap.error(str(e))
     if a.table:
-        sc.table_path = lambda _name: a.table
-    sc.forget_cached()  # a candidate table (--table, or a CONFIG_DIR switch) takes effect
+        kernels = replace(kernels, skinny_table=a.table)
+    logging.basicConfig(level=logging.WARNING)
     rows = []
     for spec in a.cases.split(","):
         shape, b, c, *flag = spec.split(":")
         got = profile_case(shape, int(b), int(c), fused=flag == ["fused"], timeline=a.timeline,
-                           stamps=a.stamps)
+                           stamps=a.stamps, kernels=kernels)
         cols = (["case", "pos", "kernel", "programs", "sms", *STAMP_COLS] if a.stamps
                 else ["case", "pos", "kernel", "layers", "median_us", "adds_us"] if a.timeline
                 else ["case", "kernel", "kind", "us_per_step", "launches_per_step"])
@@ -295,7 +298,7 @@ def main() -> None:
         print_table(res, RES_COLUMNS)
     print("wrote", write_result("step_profile", {"cases": a.cases, "dtype": "bf16", "timeline": a.timeline,
                                                  "stamps": a.stamps,
-                                                 "table": a.table, "attr": a.attr}, {"rows": rows, "kernel_resources": res}))
+                                                 "table": a.table, "kernel_options": a.kernel_options}, {"rows": rows, "kernel_resources": res}))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from engine.kernels import decode_tiles
 from engine.kernels.common import dot_precision, upcast_dots
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels import trace
 from engine.kernels.rotary import rotate_rows
@@ -26,20 +27,6 @@ from engine.kernels.trace import stamp, stamp_entry
 
 
 LOG2E = 1.4426950408889634
-# PDL for the split and the reduce kernel where supported (module switches for whole-step
-# A/Bs, bench.decode_ab --attr-b; False launches that kernel without it, a cut in the chain)
-PDL_SPLIT = True
-# "cut" the split kernel's launch (skinny_linear's cut): launched without the PDL attribute, so
-# its programs are placed on a GPU the qkv matmul has left (one per SM) instead of crowding
-# onto the first SMs qkv frees, while it still lets the reduce launch early (a switch for
-# whole-step A/Bs; step_profile --stamps: spread, the split ends 1.3 us sooner at 8B batch 1)
-CUT_SPLIT = False
-PDL_REDUCE = True
-# Tried on the H200 and removed (README, 2026-12-03): with the fused rotary, the split's first
-# K/V tile loaded before the PDL wait and the new token's row patched in from registers (no
-# whole-step gain, decode_ab-20261203T074351 and -T141050: 8B batch 1 -1.1..+1.8%); the splits
-# merged by the last-arriving split program instead of the reduce kernel (+6% at 8B batch 1,
-# -T143034); an L2 prefetch of o_proj's weight by the split programs (+0.2-1.9%, -T142232).
 
 
 @triton.jit
@@ -158,7 +145,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_
     if TRACE:
         stamp(trace_ptr, tpid, 3, (tl.sum(q.to(tl.float32)) != 0.0).to(tl.int32))
 
-    if TRACE == 2:  # engine/kernels/trace.py PROBE: the first tile's loads, timed alone
+    if TRACE == 2:  # KernelOptions.trace_probe: the first tile's loads, timed alone
         offs_p = start + tl.arange(0, BLOCK_N)
         blk_p = tl.load(bt_row + offs_p // BS, mask=offs_p < end, other=0)
         stamp(trace_ptr, tpid, 6, tl.max(blk_p, 0))
@@ -246,14 +233,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: bool | None = None, new_kv: tuple | None = None) -> torch.Tensor:
+                           prefetch: bool | None = None, new_kv: tuple | None = None,
+                           kernels: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one token per sequence, row i = sequence i).
     Returns [num_seqs, num_heads, head_dim] in q's dtype (or writes `out`).
     new_kv = (k, v, cos, sin, token_index, slot_mapping): fused rotary + KV append: q and k
     are the UN-rotated projections (k, v: [num_seqs, Hkv, D]; cos/sin rows token_index[i];
     slot -1 writes nothing); the kernel rotates q, writes rotated k and v to the cache at
     slot_mapping[i] and attends, replacing engine.kernels.rope_kv_write + this kernel
-    (16-bit caches, power-of-two head_dim, full rotary). q is not modified."""
+    (16-bit caches, power-of-two head_dim, full rotary). q is not modified.
+    kernels: the tile choice and PDL launches (KernelOptions' decode attention fields)."""
     S, Hq, D = q.shape
     _, _, BS, Hkv, Dc = kv_cache.shape
     if Dc != D or Hq % Hkv:
@@ -272,7 +261,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     G = Hq // Hkv
     D_PAD = triton.next_power_of_2(D)
     # each argument left None takes the tile's value
-    tile = decode_tiles.default_tile(is_fp8, D_PAD, S * Hkv, q.device)
+    tile = decode_tiles.default_tile(is_fp8, D_PAD, S * Hkv, q.device, kernels)
     block_n = tile.block_n if block_n is None else block_n
     num_warps = tile.num_warps if num_warps is None else num_warps
     num_stages = tile.num_stages if num_stages is None else num_stages
@@ -288,10 +277,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_o = part_lse = out  # unused
     ks = k_scale if is_fp8 else seq_lens
     vs = v_scale if is_fp8 else seq_lens
-    pdl = pdl_mode(q.device)
-    pdl_split = pdl if PDL_SPLIT else 0
-    pdl_reduce = pdl if PDL_REDUCE else 0
-    tr, traced = trace.buffer("decode_split", S * Hkv * num_splits, q)
+    pdl = pdl_mode(q.device, late=kernels.pdl_late_trigger)
+    pdl_split = pdl if kernels.pdl_split else 0
+    pdl_reduce = pdl if kernels.pdl_reduce else 0
+    tr, traced = trace.buffer("decode_split", S * Hkv * num_splits, q, kernels)
     _decode_split_kernel[(S, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, ks, vs, out, part_o, part_lse, float(scale), num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
@@ -301,9 +290,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         DIRECT=num_splits == 1, IS_FP8=is_fp8, PREC=None if is_fp8 else dot_precision(torch.float32 if upcast_dots(q.dtype) else q.dtype),
         UPCAST=upcast_dots(q.dtype), PREFETCH=prefetch, PDL=pdl_split, ROPE=rope is not None,
         trace_ptr=tr, TRACE=traced, num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(pdl_split and not (CUT_SPLIT or tile.cut)))
+        **pdl_launch(pdl_split and not (kernels.cut_split or tile.cut)))
     if num_splits > 1:
-        tr, traced = trace.buffer("decode_reduce", S * Hq, q)
+        tr, traced = trace.buffer("decode_reduce", S * Hq, q, kernels)
         _decode_reduce_kernel[(S, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, D=D, D_PAD=D_PAD,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl_reduce,

@@ -20,14 +20,9 @@ except ImportError:  # pragma: no cover - depends on the Triton release
     gdc_launch_dependents = gdc_wait = None
 
 
-# Where a kernel lets the next one launch (griddepcontrol.launch_dependents): at its very start
-# (False), so the next kernel's programs can become resident and request their first weights
-# while this one still runs, or after its main loads (True, "late"), so at most the next kernel
-# runs ahead. A switch for whole-step A/Bs (bench.decode_ab --attr-b); either way a dependent
-# reads nothing of this kernel's output before its gdc_wait (which waits for completion).
-# H200, 2026-12-03 (decode_ab-20261203T125629): late made 8B batch-1 steps 6% slower (4.14 ->
-# 4.40 ms at ctx 1024), batch 64 unchanged; so the trigger stays at the start.
-LATE_TRIGGER = False
+# Where a kernel lets its dependent launch (griddepcontrol.launch_dependents): at its start
+# (mode 1) or after its main loads (mode 2, KernelOptions.pdl_late_trigger); either way the
+# dependent reads nothing of this kernel's output before its gdc_wait (which waits for completion).
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,12 +40,13 @@ def pdl_supported(device: torch.device) -> bool:
     return _capability(idx) >= (9, 0)
 
 
-def pdl_mode(device: torch.device, pdl: bool | None = None) -> int:
+def pdl_mode(device: torch.device, pdl: bool | None = None, late: bool = False) -> int:
     """The kernels' PDL constexpr: 0 no PDL, 1 trigger the dependent at the start, 2 trigger
-    it late (LATE_TRIGGER). pdl: force on / off (None: where pdl_supported)."""
+    it late (late: KernelOptions.pdl_late_trigger). pdl: force on / off (None: where
+    pdl_supported)."""
     if pdl is None:
         pdl = pdl_supported(device)
-    return (2 if LATE_TRIGGER else 1) if pdl else 0
+    return (2 if late else 1) if pdl else 0
 
 
 def pdl_launch(pdl) -> dict:

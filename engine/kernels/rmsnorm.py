@@ -3,16 +3,10 @@
 Numerics follow HF Llama: normalise in fp32, cast to the input dtype, then multiply by the
 weight (so results match engine.kernels.reference bit-for-bit up to reduction order).
 
-PDL (programmatic dependent launch, engine/kernels/pdl.py) is a module switch, OFF: every
-other kernel of a decode step launches with it, and this one then cuts the step's PDL chain
-once per layer (before the one-row 8B gate_up, whose norm runs here). Measured on the H200
-(2026-12-03, bench.decode_ab --attr-b): with it on, 8B batch-1 steps were 10% slower (4.24 ->
-4.69 ms at ctx 1024, decode_ab-20261203T124409; batch 64 +0.3%), and small decode attention
-tiles took most of that back (decode_ab-20261203T124439). Its per-kernel timeline
-(step_profile-20261203T130604) puts the loss in the streaming matmuls around the cut: gate_up
-+7.2 us, down +4.7, o_proj +2.3 per layer. So the cut, not this kernel's launch latency, is
-what matters; why (our reading: it bounds how far later kernels' programs run ahead of the one
-that is streaming) is not shown yet.
+PDL (engine/kernels/pdl.py) is off by default (KernelOptions.pdl_rmsnorm): every other kernel
+of a decode step launches with it, so this one cuts the step's PDL chain once per layer, and
+that cut makes the streaming matmuls around it faster (8B batch-1 steps 10% faster than with
+PDL here; measure: python -m lab.decode_ab --kernel-options-b pdl_rmsnorm=True).
 """
 from __future__ import annotations
 
@@ -21,10 +15,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels import trace
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.trace import stamp, stamp_entry
-
-PDL = False  # True: launch with PDL where supported (off: see above; bench.decode_ab --attr-b)
 
 
 @triton.jit
@@ -71,14 +64,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x2, x.shape[-1]
 
 
-def _launch(x2, r2, weight, out, res_out, eps, N):
+def _launch(x2, r2, weight, out, res_out, eps, N, kernels: KernelOptions):
     M = x2.shape[0]
     if M == 0:
         return
     BLOCK = triton.next_power_of_2(N)
     nw = 4 if BLOCK <= 2048 else 8
-    pdl = pdl_mode(x2.device) if PDL else 0
-    tr, traced = trace.buffer("rmsnorm", M, x2)
+    pdl = pdl_mode(x2.device, late=kernels.pdl_late_trigger) if kernels.pdl_rmsnorm else 0
+    tr, traced = trace.buffer("rmsnorm", M, x2, kernels)
     _rmsnorm_kernel[(M,)](x2, r2 if r2 is not None else x2, weight, out,
                           res_out if res_out is not None else out, float(eps),
                           x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0),
@@ -88,25 +81,28 @@ def _launch(x2, r2, weight, out, res_out, eps, N):
                           **pdl_launch(pdl))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             kernels: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """x: [..., hidden]; returns a new tensor like x."""
     x2, N = _check(x, weight)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch(x2, None, weight, out, None, eps, N)
+    _launch(x2, None, weight, out, None, eps, N, kernels)
     return out.view(x.shape)
 
 
-def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                  kernels: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """rms_norm into out: x [M, hidden], out [M, hidden] with a unit column stride."""
     x2, N = _check(x, weight)
     if out.shape != x2.shape or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} is not {tuple(x2.shape)} with a unit column stride")
-    _launch(x2, None, weight, out, None, eps, N)
+    _launch(x2, None, weight, out, None, eps, N, kernels)
     return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, kernels: KernelOptions = DEFAULT_KERNELS
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual') * weight, residual') as new
     tensors in x's dtype (inputs are not modified)."""
     if residual.shape != x.shape:
@@ -115,5 +111,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     r2, _ = _check(residual, weight)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch(x2, r2, weight, out, res_out, eps, N)
+    _launch(x2, r2, weight, out, res_out, eps, N, kernels)
     return out.view(x.shape), res_out.view(x.shape)

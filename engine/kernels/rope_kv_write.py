@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.kv_write import round_to_e4m3
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.rotary import rot_halves
 
@@ -75,7 +76,7 @@ def _rope_kv_write_kernel(idx_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_
 def rope_write_kv(token_index: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> None:
+                  v_scale: torch.Tensor | None = None, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
     """Rotate q in place; write rotated k and v to the cache. See the module docstring."""
     T, HQ, D = q.shape
     HK = k.shape[1]
@@ -99,7 +100,7 @@ def rope_write_kv(token_index: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         return
     ks = k_scale if is_fp8 else cos
     vs = v_scale if is_fp8 else cos
-    pdl = pdl_mode(q.device)
+    pdl = pdl_mode(q.device, late=kernels.pdl_late_trigger)
     _rope_kv_write_kernel[(T,)](
         token_index, q, k, v, cos, sin, kv_cache, slot_mapping, ks, vs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),

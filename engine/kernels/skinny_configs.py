@@ -36,14 +36,17 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 DEFAULT_MAX_M = 16
 
 
-def table_path(device_name: str) -> str:
+def table_path(device_name: str, table: str | None = None) -> str:
+    """The tuned table file of a GPU model; table (KernelOptions.skinny_table) replaces it."""
+    if table:
+        return table
     slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
     return os.path.join(CONFIG_DIR, f"skinny_gemm-{slug}.json")
 
 
 @functools.lru_cache(maxsize=8)
-def load_table(device_name: str) -> dict | None:
-    path = table_path(device_name)
+def load_table(device_name: str, table: str | None = None) -> dict | None:
+    path = table_path(device_name, table)
     if not os.path.exists(path):
         return None
     try:
@@ -63,9 +66,10 @@ def load_table(device_name: str) -> dict | None:
         return None
 
 
-def lookup(device_name: str, m: int, n: int, k: int, silu: bool) -> tuple | None:
+def lookup(device_name: str, m: int, n: int, k: int, silu: bool, table: str | None = None
+           ) -> tuple | None:
     """The table's cfg for this shape (a tile tuple, or ("cublas",)) or None."""
-    t = load_table(device_name)
+    t = load_table(device_name, table)
     if t is None:
         return None
     rows = t["table"].get((n, k, bool(silu)))
@@ -77,15 +81,15 @@ def lookup(device_name: str, m: int, n: int, k: int, silu: bool) -> tuple | None
     return rows[-1][1]
 
 
-def table_max_m(device_name: str) -> int | None:
-    t = load_table(device_name)
+def table_max_m(device_name: str, table: str | None = None) -> int | None:
+    t = load_table(device_name, table)
     return None if t is None else t.get("max_m")
 
 
-def fused_rows(device_name: str, limit: int = 64) -> frozenset[int] | None:
+def fused_rows(device_name: str, limit: int = 64, table: str | None = None) -> frozenset[int] | None:
     """Batch row counts 1..limit that take the fused path per the table's fused_m, or None
     (no table, or a table without fused_m)."""
-    t = load_table(device_name)
+    t = load_table(device_name, table)
     if t is None or t.get("fused_m") is None:
         return None
     tuned = sorted({m for rows in t["table"].values() for m, _ in rows})
@@ -154,12 +158,14 @@ CUBLAS = SkinnyConfig(0, 0, 0, 0, False, cublas=True)
 
 
 @functools.lru_cache(maxsize=4096)  # called per matmul launch on the eager path
-def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> SkinnyConfig:
-    """The tuned table's config for this GPU and shape, else a heuristic: memory-bound, so aim for several programs per SM (each SM must keep
+def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = False,
+                   table: str | None = None) -> SkinnyConfig:
+    """The tuned table's config for this GPU and shape (table: KernelOptions.skinny_table),
+    else a heuristic: memory-bound, so aim for several programs per SM (each SM must keep
     enough loads in flight) with 4-16 KiB weight tiles per pipeline stage."""
     device = torch.device(device)
     if device.type == "cuda":
-        hit = lookup(_device_name(device), m, n, k, silu)
+        hit = lookup(_device_name(device), m, n, k, silu, table)
         if hit is not None:
             return SkinnyConfig.from_table(hit)
     sms = num_sms(device)
@@ -185,8 +191,8 @@ def default_config(m: int, n: int, k: int, device: torch.device, silu: bool = Fa
 
 
 def forget_cached() -> None:
-    """Drop the cached table and per-shape configs, so a changed CONFIG_DIR / table_path (a
-    benchmark's candidate table) takes effect at the next lookup."""
+    """Drop the cached tables and per-shape configs, so a table file rewritten in place takes
+    effect at the next lookup."""
     load_table.cache_clear()
     default_config.cache_clear()
 
@@ -196,16 +202,16 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def tuned_max_m(device: torch.device) -> int:
+def tuned_max_m(device: torch.device, table: str | None = None) -> int:
     """Largest decode batch for which the fused kernels beat cuBLAS on this GPU (tuned
-    table), else DEFAULT_MAX_M."""
+    table, or `table`), else DEFAULT_MAX_M."""
     device = torch.device(device)
-    m = table_max_m(_device_name(device)) if device.type == "cuda" else None
+    m = table_max_m(_device_name(device), table) if device.type == "cuda" else None
     return DEFAULT_MAX_M if m is None else int(m)
 
 
-def tuned_rows(device: torch.device) -> frozenset[int] | None:
-    """Batch row counts (<= tuned_max_m) where the tuned table says the fused kernels win
-    over a whole step; None: every batch up to tuned_max_m."""
+def tuned_rows(device: torch.device, table: str | None = None) -> frozenset[int] | None:
+    """Batch row counts (<= tuned_max_m) where the tuned table (or `table`) says the fused
+    kernels win over a whole step; None: every batch up to tuned_max_m."""
     device = torch.device(device)
-    return fused_rows(_device_name(device)) if device.type == "cuda" else None
+    return fused_rows(_device_name(device), table=table) if device.type == "cuda" else None

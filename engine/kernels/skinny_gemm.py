@@ -3,10 +3,10 @@
 At decode batch sizes the matmuls are weight-streaming problems: every weight byte is read
 once per step and the arithmetic is nearly free, so the kernel's only job is to keep enough
 bytes in flight to run at the memory roofline. cuBLAS reaches ~82% of the copy rate at M=1
-on an H200 (measured 2026-12-02); this kernel tiles over N with a K loop whose loads the
-compiler pipelines, and optionally splits K (SPLIT_K programs per N tile) when N / BLOCK_N
-alone cannot fill the GPU (the tensor-core path needs BLOCK_N >= 16, so a 4096-wide output
-has only 64-256 tiles). Split-K is deterministic: each split writes its fp32 partial sums
+on an H200 (measure: python -m lab.skinny_gemm_sweep); this kernel tiles over N with a K loop
+whose loads the compiler pipelines, and optionally splits K (SPLIT_K programs per N tile)
+when N / BLOCK_N alone cannot fill the GPU (the tensor-core path needs BLOCK_N >= 16, so a
+4096-wide output has only 64-256 tiles). Split-K is deterministic: each split writes its fp32 partial sums
 (and its partial sum of squares for NORM) to a workspace, then bumps the tile's arrival
 counter; the LAST program to arrive sums the partials in split order 0..S-1 (whatever the
 arrival order) and runs the epilogues, then resets the counter to 0 for the next launch.
@@ -26,7 +26,7 @@ and no separate norm / activation / residual kernels:
 next_norm (one row, no split-K, not cuBLAS or a slab): the LAST program to finish (a gpu-scope
 arrival count, reset by that program) also writes rmsnorm(out) * g into a second buffer, the
 next matmul's input norm rounded exactly like engine/kernels/rmsnorm.py, so the step needs no
-rmsnorm kernel there (engine.models.llama.FUSE_NEXT_NORM: 8B o_proj -> gate_up). cut: launched
+rmsnorm kernel there (KernelOptions.fuse_next_norm: 8B o_proj -> gate_up). cut: launched
 without the PDL attribute, so this kernel starts on an idle GPU once the previous one ended,
 while it still lets the next kernel launch early.
 
@@ -51,16 +51,8 @@ norm + silu from 255 to 185 (4 rows): more programs, so more weight bytes in fli
 Such tiles (the sweep's one-row candidates with BLOCK_K = K) request every weight byte of a
 program before the PDL wait, instead of a chain of K-loop round trips.
 
-Tried and dropped (H200, 2026-12-03, bench/results/skinny_gemm_sweep-20261203T035403.json):
-a stream-K schedule (a persistent grid of 1-16 programs per SM, each an equal run of
-(tile, K chunk) units, split tiles reduced in rank order) on the 3 best tiles of every op
-at 1 and 64 rows: never more than 1% faster than the tile grid (within noise), often
-slower; so a tile count that leaves a partial last wave is not what holds these matmuls
-below the read ceiling. Nor is the number of bytes in flight: an L2 prefetch window (thread 0
-of each program asked the L2 for its next weight chunks with cp.async.bulk.prefetch.L2,
-before the PDL wait and then ahead of the K loop; no registers) made whole 8B batch-1 steps
-0-9% slower (bench/results/decode_ab-20261203T082351.json; per op: o_proj and qkv within
-noise, gate_up +4-6%, down +5-6%).
+Neither a stream-K schedule nor an L2 prefetch window of the weights made these matmuls
+faster on the H200 (lab/notes/kernels.md: the runs).
 
 NOTE: rounding differs from the unfused torch sequence by ~1 bf16 ulp (the norm's scale is
 applied after the dot product, not before it); the torch reference below is the oracle.
@@ -72,6 +64,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import dot_precision, upcast_dots
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.skinny_configs import SkinnyConfig, default_config
 from engine.kernels.skinny_gemm_parts import _epilogue, _load_w, _load_x, _mac, _next_norm
@@ -235,16 +228,18 @@ def _fuses_next_norm(m: int, k: int, cfg: SkinnyConfig) -> bool:
     return m <= NEXT_NORM_MAX_M and not cfg.cublas and not (cfg.slab and m == 1) and cfg.k_split(k)[0] == 1
 
 
-def next_norm_fuses(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> bool:
+def next_norm_fuses(m: int, n: int, k: int, device: torch.device, silu: bool = False,
+                    kernels: KernelOptions = DEFAULT_KERNELS) -> bool:
     """Whether skinny_linear(next_norm=...) on an [m, k] x [n, k] matmul normalises its
     result in its own last program (else it runs the rmsnorm kernel after it)."""
-    return _fuses_next_norm(m, k, default_config(m, n, k, torch.device(device), silu))
+    return _fuses_next_norm(m, k, default_config(m, n, k, torch.device(device), silu, kernels.skinny_table))
 
 
-def norm_separate(m: int, n: int, k: int, device: torch.device, silu: bool = False) -> bool:
+def norm_separate(m: int, n: int, k: int, device: torch.device, silu: bool = False,
+                  kernels: KernelOptions = DEFAULT_KERNELS) -> bool:
     """Whether skinny_linear(norm_weight=...) runs the norm as a kernel of its own (the tuned
     config's norm_separate, or cuBLAS) rather than inside the matmul."""
-    cfg = default_config(m, n, k, torch.device(device), silu)
+    cfg = default_config(m, n, k, torch.device(device), silu, kernels.skinny_table)
     return cfg.cublas or cfg.norm_separate
 
 
@@ -273,7 +268,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, config: SkinnyConfig | None = None,
                   pdl: bool | None = None, cut: bool = False,
-                  next_norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> torch.Tensor:
+                  next_norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+                  kernels: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """x [M, K] (row stride free, unit column stride), weight [N_w, K] contiguous rows.
     Returns out [M, N] with N = N_w (or N_w / 2 with silu). See the module docstring for
     norm_weight / silu / residual / bias. out may be `residual` itself (in place).
@@ -282,7 +278,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     programs spread over an idle GPU) while still letting the next kernel launch early.
     next_norm = (weight [N], eps, norm_out [M, N]): also write rmsnorm(out) * weight to
     norm_out (the next matmul's input norm, rounded like engine.kernels.rmsnorm), by the
-    matmul's last program where next_norm_fuses says so, else by the rmsnorm kernel after it."""
+    matmul's last program where next_norm_fuses says so, else by the rmsnorm kernel after it.
+    kernels: the table (skinny_table), the PDL trigger and tracing of the launches."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K], [N, K]")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -311,28 +308,28 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                              f"match the [{M}, {N}] result")
     if M == 0:
         return out
-    cfg = config or default_config(M, N, K, x.device, silu)
+    cfg = config or default_config(M, N, K, x.device, silu, kernels.skinny_table)
     fuse_nn = next_norm is not None and _fuses_next_norm(M, K, cfg)
     if next_norm is not None and not fuse_nn:
         from engine.kernels.rmsnorm import rms_norm_into
 
         skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                      residual=residual, out=out, config=cfg, pdl=pdl, cut=cut)
-        rms_norm_into(out, nn_w, nn_eps, nn_out)
+                      residual=residual, out=out, config=cfg, pdl=pdl, cut=cut, kernels=kernels)
+        rms_norm_into(out, nn_w, nn_eps, nn_out, kernels)
         return out
     if cfg.cublas:
-        return _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out)
+        return _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out, kernels)
     if norm_weight is not None and cfg.norm_separate:
         from engine.kernels.rmsnorm import rms_norm
 
-        x, norm_weight = rms_norm(x, norm_weight, eps), None
+        x, norm_weight = rms_norm(x, norm_weight, eps, kernels), None
     if cfg.slab and slab_runs(M, weight):
         return slab_gemv(x, weight, out, rows_per_step=cfg.block_n, programs_per_sm=cfg.slab,
                          num_warps=cfg.num_warps, bias=bias, norm_weight=norm_weight, eps=eps,
-                         silu=silu, residual=residual, pdl=pdl, cut=cut)
+                         silu=silu, residual=residual, pdl=pdl, cut=cut, kernels=kernels)
     bm = cfg.block_m(M)
     upcast = upcast_dots(x.dtype) or upcast_dots(weight.dtype)
-    pdl = pdl_mode(x.device, pdl)
+    pdl = pdl_mode(x.device, pdl, kernels.pdl_late_trigger)
     launch = pdl_launch(pdl and not cut)
     n_tiles = triton.cdiv(N, cfg.block_n)
     splits, k_per = cfg.k_split(K)
@@ -344,7 +341,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         ws = ssq_ws = locks = out
     nn_w, nn_out, nn_cnt = (next_norm[0], next_norm[2], _nn_count(x.device)) if fuse_nn else (out, out, out)
-    tr, traced = trace.buffer("skinny_gemm", n_tiles * splits, x)
+    tr, traced = trace.buffer("skinny_gemm", n_tiles * splits, x, kernels)
     _skinny_gemm_kernel[(n_tiles, splits)](
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,
@@ -362,16 +359,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out):
+def _cublas_linear(x, weight, bias, norm_weight, eps, silu, residual, out, kernels):
     """The same op unfused: rmsnorm kernel, cuBLAS matmul, torch epilogues, each rounded to
     the activation dtype like HF (where the tuned table found cuBLAS faster for this op)."""
     if norm_weight is not None:
         from engine.kernels.rmsnorm import rms_norm
 
-        x = rms_norm(x, norm_weight, eps)
+        x = rms_norm(x, norm_weight, eps, kernels)
     if not silu and residual is None and out.dtype == x.dtype == weight.dtype:
         # straight into `out`: F.linear + out.copy_ cost a device memcpy per call (a graph
-        # memcpy node: 1.7 us per layer on the 8B 64-row qkv, step_profile-20261203T144529)
+        # memcpy node: 1.7 us per layer on the 8B 64-row qkv; measure: python -m lab.step_profile)
         if bias is None:
             return torch.mm(x, weight.t(), out=out)
         return torch.addmm(bias, x, weight.t(), out=out)

@@ -1,7 +1,7 @@
 """Triton one-row GEMV for decode at batch 1, shaped like a pure streaming read ("slab" GEMV):
 y[0, N] = x[0, K] @ W[N, K]^T.
 
-At batch 1 every matmul is a weight stream; bench/kernel_boundary.py measured our tiled
+At batch 1 every matmul is a weight stream; lab/kernel_boundary.py measures our tiled
 skinny GEMM 1.7-10 us slower per op than a pure read of the same bytes on an H200 (e.g. the
 8B gate_up: 60 us against 54 us). The tile grid launches thousands of short programs, each
 loading a 2-4 row tile and reducing it once: every program pays its ramp (launch, first-load
@@ -27,24 +27,10 @@ slabs never changes a row's result: one program computes each row the same way).
 
 Limit: a whole row lives in registers (BLOCK_K = next power of 2 of K), so K <= MAX_K.
 
-Measured (H200, 2026-12-03; bench/results/skinny_gemm_sweep-20261203T103555 and the
-decode_ab files named in the table's step_ab notes): alone, every one-row op of both Llama
-shapes is faster as a slab than as a tile (8B qkv+norm 17.2 -> 13.4 us, gate_up+norm+silu
-60-64 -> 54.6, down 31 -> 29.1, lm_head 243 -> 232 = 4.53 TB/s). Inside whole steps the 1B
-ops and the 8B qkv and down win (1B step -7.5%, 8B -6.3%), but the 8B gate_up with the norm
-fused makes the step 7-8% slower (2-4 rows a step, 2-3 programs per SM: +19-23%), and with
-the norm as its own kernel it is neutral; so the tuned table, not this kernel, decides where
-it runs, from whole-step A/Bs.
-
-Dynamic slabs, tried and dropped (2026-12-03, decode_ab-20261203T212405, 8B batch 1, medians
-of 5): a share of the rows split statically (0.75) and the rest handed out a step at a time
-from a gpu-scope atomic counter (reset by the last program), to even out the slabs' ends.
-Every program then waits for the counter's round trip before it can request its next rows,
-and the variant needs more registers (fewer programs fit): qkv and down dynamic +4.8% /
-+4.6% (ctx 1024 / 4096), with the gate_up slab too +5.9%; the static gate_up slab alone
-(4 programs per SM asked, 2 fit) +1.3% / +1.3% in the same run, though in-kernel stamps put
-it at 56 us against the tile's 61 (step_profile-20261203T212308): tracing slows the
-7168-program tile by ~7 us a layer, so its stamps overstate it (engine/kernels/trace.py).
+Alone, every one-row op of both Llama shapes is faster as a slab than as a tile, but not
+always inside whole steps (the 8B gate_up with its norm fused is slower), so the tuned table,
+not this kernel, decides where it runs (measure: python -m lab.skinny_gemm_sweep, then
+python -m lab.decode_ab --table-ab CANDIDATE.json; lab/notes/kernels.md has past runs).
 """
 from __future__ import annotations
 
@@ -55,6 +41,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import num_sms, programs_that_fit
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_mode
 from engine.kernels.skinny_gemm_parts import _epilogue
 from engine.kernels import trace
@@ -156,7 +143,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
               programs_per_sm: int, num_warps: int, bias: torch.Tensor | None = None,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
               residual: torch.Tensor | None = None, pdl: bool | None = None,
-              cut: bool = False) -> torch.Tensor:
+              cut: bool = False, kernels: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """x [1, K] (unit stride), weight [N_w, K] contiguous, out [1, N] (N = N_w, or N_w / 2
     with silu) with unit stride; residual [1, N] (may be out). cut: launched without the PDL
     attribute, still letting the next kernel launch early (skinny_linear's cut). Shapes are
@@ -167,7 +154,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
     NW, K = weight.shape
     N = NW // 2 if silu else NW
     R = rows_per_step
-    pdl = pdl_mode(x.device, pdl)
+    pdl = pdl_mode(x.device, pdl, kernels.pdl_late_trigger)
     consts = dict(R=R, BLOCK_K=triton.next_power_of_2(K), NORM=norm_weight is not None, SILU=silu,
                   RESID=residual is not None, HAS_BIAS=bias is not None,
                   EVEN_K=triton.next_power_of_2(K) == K, PDL=pdl)
@@ -177,7 +164,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, rows_
     programs = max(1, min(triton.cdiv(N, R), per_sm * num_sms(x.device)))
     per = triton.cdiv(triton.cdiv(N, programs), R) * R
     grid = triton.cdiv(N, per)
-    tr, traced = trace.buffer("slab_gemv", grid, x)
+    tr, traced = trace.buffer("slab_gemv", grid, x, kernels)
     compiled = _slab_gemv_kernel[(grid,)](
         x, weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x,

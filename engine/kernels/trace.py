@@ -1,7 +1,7 @@
 """In-kernel timestamps, a diagnostic (off by default, and then compiled out).
 
-With ENABLED set before a launch (or a CUDA-graph capture), the traced kernels (the decode
-step's: slab GEMV, skinny GEMM, decode attention split and reduce, rmsnorm) write, per
+With KernelOptions.trace set for a launch (or a CUDA-graph capture), the traced kernels (the
+decode step's: slab GEMV, skinny GEMM, decode attention split and reduce, rmsnorm) write, per
 program, the SM it ran on and %globaltimer (ns, one clock for all SMs) at fixed checkpoints
 into a buffer allocated for that launch and appended to RECORDS:
 
@@ -11,22 +11,20 @@ into a buffer allocated for that launch and appended to RECORDS:
     slot 3  decode split only: rotary done, the new token's K/V written (else = entry)
     slot 4  decode split only: its K/V tiles attended (else = entry)
     slot 5  end (the program's last store issued)
-    slots 6, 7  decode split with PROBE only: its first tile's block ids loaded, then that
+    slots 6, 7  decode split with trace_probe only: its first tile's block ids loaded, then that
             tile's K and V loaded (a probe: loaded once more, timed on their own, before the
-            attention loop reads them again, from cache; so PROBE shortens the later phases)
+            attention loop reads them again, from cache; so the probe shortens the later phases)
 
-bench.step_profile --stamps replays a decode step captured with them and folds the stamps
+python -m lab.step_profile --stamps replays a decode step captured with them and folds the stamps
 into the per-layer pattern, relative to the previous kernel's last program end: how long a
 kernel's wait is released after its predecessor ends, how long its own prologue takes,
 how its programs' ends spread. That is what the CUPTI timeline (first program start, last
 program end) cannot show.
 
 A stamp is a store per program (every thread stores the same value); it costs a few
-instructions per program, so traced steps run slower, and kernels of many short programs
-pay most: on an H200 (decode_ab-20261203T212837, 8B batch 1) tracing made the shipped step
-6% slower (3.961 -> 4.197 ms) but the step with gate_up as a 256-program slab only 0.9%
-(3.956 -> 3.990); the difference is the 7168-program gate_up tile, ~7 us a layer, so its
-stamped ~61 us overstates its untraced time (~54). Compare phases of few-program kernels
+instructions per program, so traced steps run slower, and kernels of many short programs pay
+most (a many-program tile's stamped time overstates its untraced time; measure the cost: python
+-m lab.decode_ab --kernel-options-b trace=True). Compare phases of few-program kernels
 (attention, slabs), not step totals or many-program tiles.
 The Triton interpreter has no %globaltimer: tracing is GPU-only.
 """
@@ -36,8 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = False
-PROBE = False  # also time the decode split's first block-id and K/V loads (slots 6, 7)
 SLOTS = 8
 _SLOTS = tl.constexpr(SLOTS)  # the same, for the kernels
 # (kernel name, int64 [programs, SLOTS]) per traced launch, in launch order; only launches
@@ -85,16 +81,17 @@ def reset() -> None:
         st[1] = SCRATCH_ROWS
 
 
-def buffer(name: str, programs: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+def buffer(name: str, programs: int, like: torch.Tensor, kernels) -> tuple[torch.Tensor, int]:
     """(trace buffer, TRACE constexpr) for one launch: a [programs, SLOTS] int64 slice of the
-    arena and 1 when tracing (2 with PROBE), else (like, 0) (a dummy pointer, never written)."""
-    if not ENABLED or like.device.type != "cuda":
+    arena and 1 when kernels.trace (2 with kernels.trace_probe), else (like, 0) (a dummy
+    pointer, never written)."""
+    if not kernels.trace or like.device.type != "cuda":
         return like, 0
     keep = not CAPTURED_ONLY or torch.cuda.is_current_stream_capturing()
     buf = _slice(like.device, programs, keep)
     if keep:
         RECORDS.append((name, buf))
-    return buf, 2 if PROBE else 1
+    return buf, 2 if kernels.trace_probe else 1
 
 
 @triton.jit

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
+
 FP8_MAX = 448.0
 
 
@@ -73,15 +75,18 @@ class KVScales:
 
 class AttentionBackend:
     """Interface every backend implements. `forward` writes this step's K/V into the cache,
-    then attends; it returns [num_tokens, num_heads, head_dim] in q's dtype."""
+    then attends; it returns [num_tokens, num_heads, head_dim] in q's dtype. `kernels`: the
+    engine's KernelOptions, for the backends that launch our Triton kernels."""
 
     name = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.kernels = kernels
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,

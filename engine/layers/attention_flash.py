@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.kv_write import write_kv
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScales
 
 
@@ -27,8 +28,9 @@ def _import_flash_attn():
 class FlashAttentionBackend(AttentionBackend):
     name = "flash_attn"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, kernels)
         self._with_kvcache, self._varlen = _import_flash_attn()
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -2,13 +2,15 @@
 whose base classes the backends import)."""
 from __future__ import annotations
 
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.attention import AttentionBackend, TorchAttentionBackend
 
 
 def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
+                          head_dim: int, kernels: KernelOptions = DEFAULT_KERNELS) -> AttentionBackend:
     """Pick a backend by config name. 'auto': flash_attn if it imports (cuda), triton on
-    cuda, torch on cpu. Backends register lazily so CPU installs need neither."""
+    cuda, torch on cpu. Backends register lazily so CPU installs need neither. kernels: the
+    engine's KernelOptions (the model's set_kernels hands them on as well)."""
     if name == "auto":
         name = "torch" if device == "cpu" else "triton"
         if device != "cpu":
@@ -19,13 +21,13 @@ def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: 
             except ImportError:
                 pass
     if name == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, kernels=kernels)
     if name == "triton":
         from engine.layers.attention_triton import TritonAttentionBackend
 
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim)
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, kernels=kernels)
     if name == "flash_attn":
         from engine.layers.attention_flash import FlashAttentionBackend
 
-        return FlashAttentionBackend(num_heads, num_kv_heads, head_dim)
+        return FlashAttentionBackend(num_heads, num_kv_heads, head_dim, kernels=kernels)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -16,12 +16,9 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScale
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    # decode-only batches of at most this many sequences: rotary + KV append fused into the
-    # decode attention kernel (one launch per layer fewer). H200, 2026-12-02 (A/B in
-    # bench/engine_gpu.py): 1B shape -6% step time at batch 1, but +4-7% at batch 64 on both
-    # shapes with the attention tile of then (32-token tiles); with today's 128-token tile
-    # (2026-12-03, decode_ab-20261203T130640, 8B, medians of 5) it is -1.4% at batch 16,
-    # -0.4% at 64 (ctx 2048), -0.2% at 64 (ctx 1024), so every decode batch fuses it.
+    # decode-only batches of at most fuse_decode_rope_max_seqs sequences: rotary + KV append
+    # fused into the decode attention kernel, one launch per layer fewer: 0.2-1.4% faster 8B
+    # steps at batches 16-64 (measure: python -m bench.engine_gpu, its rotary-fusion A/B)
     fuse_decode_rope = True
     fuse_decode_rope_max_seqs = 1 << 16
 
@@ -47,9 +44,10 @@ class TritonAttentionBackend(AttentionBackend):
                 and kv_cache.dtype != torch.float8_e4m3fn and self.head_dim & (self.head_dim - 1) == 0):
             # decode: rotary + KV append inside the attention kernel (one launch per layer)
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                          new_kv=(k, v, cos, sin, idx, meta.slot_mapping))
+                                          new_kv=(k, v, cos, sin, idx, meta.slot_mapping),
+                                          kernels=self.kernels)
         ks, vs = self._scales(layer, k, v, kv_cache, kv_scales)
-        rope_write_kv(idx, q, k, v, cos, sin, kv_cache, meta.slot_mapping, ks, vs)
+        rope_write_kv(idx, q, k, v, cos, sin, kv_cache, meta.slot_mapping, ks, vs, kernels=self.kernels)
         return self._attend(q, kv_cache, meta, ks, vs)
 
     def _check_q(self, q):
@@ -71,6 +69,6 @@ class TritonAttentionBackend(AttentionBackend):
     def _attend(self, q, kv_cache, meta, ks, vs):
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens,
-                                          self.scale, ks, vs)
+                                          self.scale, ks, vs, kernels=self.kernels)
         return paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, self.scale, ks, vs)

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
+
 
 @functools.lru_cache(maxsize=1)
 def _triton_norms():
@@ -18,9 +20,11 @@ def _triton_norms():
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels  # the Triton kernel's launch (KernelOptions.pdl_rmsnorm, trace)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -29,8 +33,8 @@ class RMSNorm(torch.nn.Module):
         kern = _triton_norms() if x.is_cuda else None
         if kern is not None:
             if residual is None:
-                return kern[0](x, self.weight, self.eps)
-            return kern[1](x, residual, self.weight, self.eps)
+                return kern[0](x, self.weight, self.eps, self.kernels)
+            return kern[1](x, residual, self.weight, self.eps, self.kernels)
         if residual is not None:
             x = x + residual
             residual = x

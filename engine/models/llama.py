@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 
 from engine.kernels.common import interpreting  # no triton import: safe on CPU
+from engine.kernels.options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVScales
 from engine.layers.linear import Linear, MergedLinear
@@ -34,20 +35,6 @@ _FUSED = {
 }
 # tensors some checkpoints carry that the model does not need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Programmatic dependent launch per fused decode matmul ("qkv", "o_proj", "gate_up", "down"):
-# absent or None = where supported; False = launched without it, which also keeps the kernel
-# after it from launching before it ends (a cut in the step's PDL chain). A tuning switch for
-# whole-step A/Bs (bench.decode_ab --attr-b "engine.models.llama.SKINNY_PDL={'o_proj': False}").
-SKINNY_PDL: dict[str, bool | None] = {}
-# Where the tuned table runs gate_up's input norm as a kernel of its own (the 8B one-row
-# step), o_proj's last program computes it instead (skinny_linear's next_norm) and gate_up is
-# launched after o_proj ends without the PDL attribute (the cut the rmsnorm kernel made;
-# engine/kernels/rmsnorm.py says why it matters). H200, 2026-12-03 (decode_ab-20261203T175313,
-# medians of 5): 8B batch-1 steps -0.6% at ctx 1024 (4.175 -> 4.152 ms) and -0.7% at ctx 4096;
-# the in-kernel timestamps (step_profile-20261203T175328) put o_proj's end 1.5 us later (the
-# last arriver's count, reload and norm) against the 1.8 us the rmsnorm kernel took. With
-# gate_up as a slab GEMV behind it, +0.1..+1.0% (same file): gate_up stays a tile.
-FUSE_NEXT_NORM = True
 
 
 class Attention(torch.nn.Module):
@@ -91,11 +78,13 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, arch: ModelArch, idx: int, backend: AttentionBackend, dtype):
+    def __init__(self, arch: ModelArch, idx: int, backend: AttentionBackend, dtype,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.kernels = kernels  # forward_fused's matmul launches and next-norm choice
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
         self.self_attn = Attention(arch, idx, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
         self.mlp = MLP(arch, dtype)
 
     def forward(self, rope, h, residual, kv_cache, meta, kv_scales):
@@ -114,38 +103,46 @@ class DecoderLayer(torch.nn.Module):
         4 skinny-GEMM launches: norm+qkv, o_proj+residual, norm+gate_up+silu, down+residual."""
         from engine.kernels.skinny_gemm import next_norm_fuses, norm_separate, skinny_linear
 
-        a, m = self.self_attn, self.mlp
+        a, m, k = self.self_attn, self.mlp, self.kernels
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        pdl = SKINNY_PDL.get
+        pdl = k.skinny_pdl
         qkv = skinny_linear(res, a.qkv_proj.weight, a.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps,
-                            pdl=pdl("qkv"))
+                            pdl=pdl("qkv"), kernels=k)
         o = a.attend(rope, qkv, kv_cache, meta, kv_scales)
         rows, hidden = res.shape
         gu = m.gate_up_proj.weight
-        if (FUSE_NEXT_NORM and norm_separate(rows, gu.shape[0] // 2, hidden, res.device, silu=True)
-                and next_norm_fuses(rows, hidden, o.shape[1], res.device)):
+        # where the table runs gate_up's norm as a kernel of its own, o_proj's last program
+        # computes it (KernelOptions.fuse_next_norm) and gate_up launches cut, after o_proj ends
+        if (k.fuse_next_norm
+                and norm_separate(rows, gu.shape[0] // 2, hidden, res.device, silu=True, kernels=k)
+                and next_norm_fuses(rows, hidden, o.shape[1], res.device, kernels=k)):
             normed = torch.empty_like(res)
             skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"),
-                          next_norm=(ln2.weight, ln2.eps, normed))
-            act = skinny_linear(normed, gu, silu=True, pdl=pdl("gate_up"), cut=True)
+                          next_norm=(ln2.weight, ln2.eps, normed), kernels=k)
+            act = skinny_linear(normed, gu, silu=True, pdl=pdl("gate_up"), cut=True, kernels=k)
         else:
-            skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"))
-            act = skinny_linear(res, gu, norm_weight=ln2.weight, eps=ln2.eps, silu=True, pdl=pdl("gate_up"))
-        skinny_linear(act, m.down_proj.weight, residual=res, out=res, pdl=pdl("down"))
+            skinny_linear(o, a.o_proj.weight, a.o_proj.bias, residual=res, out=res, pdl=pdl("o_proj"),
+                          kernels=k)
+            act = skinny_linear(res, gu, norm_weight=ln2.weight, eps=ln2.eps, silu=True, pdl=pdl("gate_up"),
+                                kernels=k)
+        skinny_linear(act, m.down_proj.weight, residual=res, out=res, pdl=pdl("down"), kernels=k)
 
 
 class CausalLM(torch.nn.Module):
-    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, dtype: torch.dtype | None = None):
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, dtype: torch.dtype | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         """dtype (optional, extension of API.md): build parameters directly in this dtype;
-        None -> torch's default dtype. Parameters are uninitialised until load_weights."""
+        None -> torch's default dtype. Parameters are uninitialised until load_weights.
+        kernels: the Triton kernels' launch options (set_kernels changes them before use)."""
         super().__init__()
         self.arch = arch
         self.attn_backend = attn_backend
+        self.kernels = kernels
         self.embed_tokens = torch.nn.Parameter(
             torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(arch, i, attn_backend, dtype) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+            DecoderLayer(arch, i, attn_backend, dtype, kernels) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         if arch.tie_word_embeddings:
             self.lm_head = None  # NOTE: tied: compute_logits reads embed_tokens
@@ -159,6 +156,14 @@ class CausalLM(torch.nn.Module):
         # skinny_rows when set (the tuned table's winning batch sizes).
         self.skinny_max_m = 0
         self.skinny_rows: frozenset[int] | None = None
+
+    def set_kernels(self, kernels: KernelOptions) -> None:
+        """Hand the engine's KernelOptions to every part that launches kernels: the layers,
+        their norms and the attention backend (the runner calls this once, before any step)."""
+        self.kernels = self.attn_backend.kernels = kernels
+        for mod in self.modules():
+            if isinstance(mod, (DecoderLayer, RMSNorm)):
+                mod.kernels = kernels
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -196,7 +201,7 @@ class CausalLM(torch.nn.Module):
         if self._use_skinny(hidden):
             from engine.kernels.skinny_gemm import skinny_linear
 
-            return skinny_linear(hidden.to(w.dtype), w, out_dtype=torch.float32)
+            return skinny_linear(hidden.to(w.dtype), w, out_dtype=torch.float32, kernels=self.kernels)
         return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
 
     def _use_skinny(self, x: torch.Tensor) -> bool:

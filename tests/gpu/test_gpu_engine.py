@@ -125,7 +125,7 @@ def test_slab_gemv_decode_matches_hf_and_replays(hf_dir, monkeypatch):
     calls = []
     real = skinny_gemm.slab_gemv
     monkeypatch.setattr(skinny_gemm, "slab_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(sc, "lookup", lambda name, m, n, k, silu: (
+    monkeypatch.setattr(sc, "lookup", lambda name, m, n, k, silu, table=None: (
         (2, min(4096, k & -k), 4, 1, False, 1, False, False, 4) if m == 1 else None))
     sc.default_config.cache_clear()
     try:

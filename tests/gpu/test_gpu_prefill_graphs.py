@@ -10,7 +10,7 @@
 
 Run: python -m pytest -q -s tests/gpu/test_gpu_prefill_graphs.py   (-s prints the numbers)
 The padding of the Triton kernel itself: SPLITSERVE_KERNEL_TESTS_GPU=1 python -m pytest -q
-tests/kernels/test_prefill_attention.py -k graph_padding
+tests/engine/kernels/test_prefill_attention.py -k graph_padding
 """
 from __future__ import annotations
 

@@ -270,27 +270,27 @@ def test_one_chunk_programs(cfg, m, n, k, device):
     assert rel_err(r, skinny_linear_ref(x, wn, residual=res)) < TOL[dtype]
 
 
-def test_forget_cached_picks_up_a_new_config_dir(tmp_path, monkeypatch):
-    """A benchmark switching CONFIG_DIR to a candidate table sees it after forget_cached
-    (the table is cached per process until then)."""
+def test_skinny_table_option_replaces_the_gpus_table(tmp_path, monkeypatch):
+    """KernelOptions.skinny_table: a candidate table file is looked up instead of the GPU's
+    shipped one, each file cached apart (an A/B runs both in one process)."""
     import json
 
     from engine.kernels import skinny_configs as sc
 
+    monkeypatch.setattr(sc, "CONFIG_DIR", str(tmp_path))
     doc = {"device": "Fake GPU", "max_m": 1, "entries": [
         {"n": 64, "k": 32, "silu": False, "m": 1, "cfg": [4, 32, 8, 1, False]}]}
-    for name, bn in (("a", 4), ("b", 8)):
-        (tmp_path / name).mkdir()
-        doc["entries"][0]["cfg"][0] = bn
-        (tmp_path / name / "skinny_gemm-Fake_GPU.json").write_text(json.dumps(doc))
+    (tmp_path / "skinny_gemm-Fake_GPU.json").write_text(json.dumps(doc))
+    doc["entries"][0]["cfg"][0], doc["max_m"] = 8, 2
+    cand = tmp_path / "candidate.json"
+    cand.write_text(json.dumps(doc))
+    sc.forget_cached()
     try:
-        monkeypatch.setattr(sc, "CONFIG_DIR", str(tmp_path / "a"))
-        sc.forget_cached()
+        assert sc.table_path("Fake GPU", str(cand)) == str(cand)
         assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 4
-        monkeypatch.setattr(sc, "CONFIG_DIR", str(tmp_path / "b"))
-        assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 4  # still the cached table
-        sc.forget_cached()
-        assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 8
+        assert sc.lookup("Fake GPU", 1, 64, 32, False, str(cand))[0] == 8
+        assert sc.lookup("Fake GPU", 1, 64, 32, False)[0] == 4  # the shipped one still
+        assert (sc.table_max_m("Fake GPU"), sc.table_max_m("Fake GPU", str(cand))) == (1, 2)
     finally:
         sc.forget_cached()
 

@@ -2,10 +2,11 @@
 a GPU launch specializes them (pointers and strides 16-divisible), and report per variant
 whether it compiled, whether the PTX has the PDL grid-dependency instructions, and the
 registers / spills ptxas reports. The Triton interpreter never runs the PDL branches or the
-compiler's lowering, so this is CI's only check of that code (tests/kernels/test_sm90_compile.py
-runs it in a subprocess: the kernel tests' interpreter mode must be off for it).
+compiler's lowering, so this is CI's only check of that code
+(tests/engine/kernels/test_sm90_compile.py runs it in a subprocess: the kernel tests'
+interpreter mode must be off for it).
 
-    python -m tests.kernels.sm90_compile     -> one JSON object per line
+    python -m tests.engine.kernels.sm90_compile     -> one JSON object per line
 """
 from __future__ import annotations
 

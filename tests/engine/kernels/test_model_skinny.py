@@ -9,6 +9,7 @@ import torch
 from bench.engine_gpu_steps import decode_inputs
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import Engine
+from engine.kernels.options import KernelOptions
 from engine.sampling_params import SamplingParams
 
 
@@ -50,16 +51,15 @@ def test_fused_path_greedy_tokens_equal(device):
 
 
 def test_next_norm_fusion_gives_the_same_logits(device, monkeypatch):
-    """engine.models.llama.FUSE_NEXT_NORM: where gate_up's norm runs as a kernel of its own,
+    """KernelOptions.fuse_next_norm: where gate_up's norm runs as a kernel of its own,
     o_proj's last program computes it instead; one-row decode logits are the same (bit-identical
     in the interpreter; on a GPU the norm's sum of squares is reduced in another order)."""
     import engine.kernels.skinny_gemm as sg
-    import engine.models.llama as llama
 
     real = sg.default_config
 
-    def norm_apart(m, n, k, dev, silu=False):  # the 8B table's one-row gate_up: norm separate
-        cfg = real(m, n, k, dev, silu)
+    def norm_apart(m, n, k, dev, silu=False, table=None):  # the 8B table's one-row gate_up: norm apart
+        cfg = real(m, n, k, dev, silu, table)
         return dataclasses.replace(cfg, norm_separate=True) if silu else cfg
 
     monkeypatch.setattr(sg, "default_config", norm_apart)
@@ -74,7 +74,7 @@ def test_next_norm_fusion_gives_the_same_logits(device, monkeypatch):
     monkeypatch.setattr(sg, "_nn_count", lambda dev, f=sg._nn_count: calls.append(1) or f(dev))
     with torch.inference_mode():
         for fuse in (False, True):
-            monkeypatch.setattr(llama, "FUSE_NEXT_NORM", fuse)
+            r.model.set_kernels(KernelOptions(fuse_next_norm=fuse))
             for t, t0 in zip(r.kv_caches, kv0):
                 t.copy_(t0)
             out[fuse] = r.model.compute_logits(r.model(ids, pos, r.kv_caches, meta, r.kv_scales))

@@ -1,5 +1,5 @@
-"""The GPU kernels compile for sm_90 (tests/kernels/sm90_compile.py, in a subprocess with the
-interpreter off): the interpreter never lowers them nor runs their PDL branches."""
+"""The GPU kernels compile for sm_90 (tests/engine/kernels/sm90_compile.py, in a subprocess with
+the interpreter off): the interpreter never lowers them nor runs their PDL branches."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +17,14 @@ def compiled():
     except ImportError:  # pragma: no cover - depends on the Triton wheel
         pytest.skip("this Triton has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "tests.engine.kernels.sm90_compile"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
 def test_every_variant_compiles(compiled):
-    from tests.kernels.sm90_compile import VARIANTS
+    from tests.engine.kernels.sm90_compile import VARIANTS
 
     assert len(compiled) == len(VARIANTS)
     failed = [(r["kernel"], r["variant"], r.get("error")) for r in compiled if not r["ok"]]

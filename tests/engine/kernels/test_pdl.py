@@ -10,8 +10,7 @@ def test_pdl_mode_off_where_unsupported():
     assert pdl.pdl_mode(torch.device("cpu"), False) == 0
 
 
-def test_pdl_mode_follows_the_trigger_switch(monkeypatch):
+def test_pdl_mode_follows_the_late_trigger_option():
     assert pdl.pdl_mode(torch.device("cpu"), True) == 1  # forced on: trigger at the start
-    monkeypatch.setattr(pdl, "LATE_TRIGGER", True)
-    assert pdl.pdl_mode(torch.device("cpu"), True) == 2
-    assert pdl.pdl_mode(torch.device("cpu"), False) == 0
+    assert pdl.pdl_mode(torch.device("cpu"), True, late=True) == 2  # KernelOptions.pdl_late_trigger
+    assert pdl.pdl_mode(torch.device("cpu"), False, late=True) == 0

@@ -1,7 +1,10 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
 from engine.kernels.decode_attention import paged_decode_attention
+from engine.kernels.options import KernelOptions
 from engine.kernels.reference import paged_attention_torch
 
 from ._util import make_batch
@@ -85,11 +88,10 @@ def test_split_rule_keeps_one_wave_and_a_tile_per_split(seqs, heads):
             assert seqs * heads * (sp + 1) > 2 * 8 or sp == 64
 
 
-def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
+def test_batch_tile_only_where_the_default_tile_would_not_split():
     import engine.kernels.decode_tiles as da
 
     cpu = torch.device("cpu")  # nominal 8 SMs: the default tile's wave is 2 x 8 = 16 programs
-    monkeypatch.setattr(da, "BATCH_TILE", True)
     assert da.default_tile(False, 128, 15, cpu) is da.TILE_16BIT_FEW  # few 128-wide pairs
     assert da.default_tile(False, 64, 15, cpu) is da.TILE_16BIT
     assert da.default_tile(False, 128, 16, cpu) is da.TILE_16BIT_BATCH
@@ -97,24 +99,34 @@ def test_batch_tile_only_where_the_default_tile_would_not_split(monkeypatch):
     assert da.default_tile(True, 128, 512, cpu) is da.TILE_FP8
     assert da.default_tile(False, 256, 512, cpu) is da.TILE_WIDE_HEAD
     assert da.default_tile(False, 128, 0, cpu) is da.TILE_16BIT  # pairs unknown
-    monkeypatch.setattr(da, "BATCH_TILE", False)
-    assert da.default_tile(False, 128, 512, cpu) is da.TILE_16BIT
-    monkeypatch.setattr(da, "FEW_TILE", False)
-    assert da.default_tile(False, 128, 15, cpu) is da.TILE_16BIT
+    no_batch = KernelOptions(batch_tile=False)
+    assert da.default_tile(False, 128, 512, cpu, no_batch) is da.TILE_16BIT
+    assert da.default_tile(False, 128, 15, cpu, replace(no_batch, few_tile=False)) is da.TILE_16BIT
+
+
+def test_tile_16bit_option_replaces_the_small_batch_tile_and_its_wave():
+    import engine.kernels.decode_tiles as da
+
+    cpu = torch.device("cpu")
+    tile = da.DecodeTile(32, 4, 2, True, programs_per_sm=4, min_tiles_per_split=4)
+    opts = KernelOptions(tile_16bit=tile, few_tile=False)
+    assert da.default_tile(False, 128, 15, cpu, opts) is tile
+    assert da.default_tile(False, 128, 16, cpu, opts) is tile  # its wave is 4 x 8 pairs
+    assert da.default_tile(False, 128, 32, cpu, opts) is da.TILE_16BIT_BATCH
 
 
 @pytest.mark.parametrize("few_tile", [False, True])
-def test_decode_few_tile_matches_reference(few_tile, device, monkeypatch):
+def test_decode_few_tile_matches_reference(few_tile, device):
     """Few sequences of 128-wide heads take TILE_16BIT_FEW (64-token tiles, its launch cut):
     the same results as the reference, with and without it."""
     import engine.kernels.decode_tiles as da
 
-    monkeypatch.setattr(da, "FEW_TILE", few_tile)
+    opts = KernelOptions(few_tile=few_tile)
     seq_lens = [1, 63, 64, 65, 200]
     kv, meta = make_batch(seq_lens, [1] * len(seq_lens), 16, 2, 128, torch.bfloat16, device)
     q = torch.randn(len(seq_lens), 4, 128, device=device).to(torch.bfloat16)
-    assert (da.default_tile(False, 128, len(seq_lens) * 2, q.device) is da.TILE_16BIT_FEW) == few_tile
-    out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.088)
+    assert (da.default_tile(False, 128, len(seq_lens) * 2, q.device, opts) is da.TILE_16BIT_FEW) == few_tile
+    out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.088, kernels=opts)
     ref = paged_attention_torch(q, kv, meta, 0.088)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -125,14 +137,14 @@ def test_decode_batch_tile_matches_reference(batch_tile, device, monkeypatch):
     SM count is patched to that), with and without it: same results as the reference."""
     import engine.kernels.decode_tiles as da
 
-    monkeypatch.setattr(da, "BATCH_TILE", batch_tile)
+    opts = KernelOptions(batch_tile=batch_tile)
     monkeypatch.setattr(da, "num_sms", lambda _device: 8)
     seq_lens = [1, 17, 64, 65, 130, 3, 40, 77]
     kv, meta = make_batch(seq_lens, [1] * len(seq_lens), 16, 2, 64, torch.bfloat16, device)
     q = torch.randn(len(seq_lens), 4, 64, device=device).to(torch.bfloat16)
     want = da.TILE_16BIT_BATCH_NARROW if batch_tile else da.TILE_16BIT
-    assert da.default_tile(False, 64, len(seq_lens) * 2, q.device) is want
-    out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125)
+    assert da.default_tile(False, 64, len(seq_lens) * 2, q.device, opts) is want
+    out = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125, kernels=opts)
     ref = paged_attention_torch(q, kv, meta, 0.125)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
