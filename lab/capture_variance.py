@@ -1,12 +1,12 @@
 """Is a decode graph's speed a property of its capture? Whole-step A/Bs on the H200 re-capture
-per rep, and the same configuration's step times fall in two modes ~3% apart (8B batch 1:
-~4.11 vs ~4.24 ms, bench/results/decode_ab-20261203T191656). This captures the bucket's graph
+per rep, and the same configuration's step times can fall in two modes ~3% apart (8B batch 1;
+lab/notes/kernels.md). This captures the bucket's graph
 N times in one engine (each capture keeps its own memory pool alive), then replays every
 capture in R interleaved rounds: a capture that is slow in every round (and a fast one fast)
 means the mode is fixed at capture; modes that move between rounds mean it is not.
 
-    python -m bench.capture_variance [--shape llama-3.1-8b] [--batch 1] [--ctx 1024]
-                                     [--captures 8] [--rounds 3]
+    python -m lab.capture_variance [--shape llama-3.1-8b] [--batch 1] [--ctx 1024]
+                                   [--captures 8] [--rounds 3]
 """
 from __future__ import annotations
 

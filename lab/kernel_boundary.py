@@ -1,6 +1,6 @@
 """What a kernel boundary costs inside a CUDA graph (diagnostic, one GPU).
 
-    python -m bench.kernel_boundary [--sizes-mb 8,34,50,117,235] [--chain 32]
+    python -m lab.kernel_boundary [--sizes-mb 8,34,50,117,235] [--chain 32]
 
 A decode step at batch 1 is a chain of ~6 dependent kernels per layer, most of them
 weight-streaming matmuls. This measures, for chains of identical kernels replayed as one
@@ -13,7 +13,7 @@ CUDA graph (median per kernel):
   read, wait last:   the same read with every load issued before the wait (only the final
              store waits): the ideal overlap PDL allows for bytes that do not depend on the
              previous kernel, i.e. what a weight stream could reach with no boundary cost.
-Bandwidth = S / time. Compare with the skinny matmuls of bench/skinny_gemm_sweep.py.
+Bandwidth = S / time. Compare with the skinny matmuls of lab/skinny_gemm_sweep.py.
   overlap depth: a latency-bound kernel (one program per SM spinning ~10 us, like decode
              attention at batch 1, which leaves HBM idle) followed by a 34 MB read that issues
              its loads before its wait, directly or behind one more tiny PDL kernel (like the

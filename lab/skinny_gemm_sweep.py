@@ -2,8 +2,8 @@
 o_proj+residual, norm+gate_up+silu, down+residual, lm_head->fp32) for Llama-3.2-1B and
 Llama-3.1-8B shapes, every candidate tile config (split-K included) vs cuBLAS, M = 1..64 rows.
 
-    python -m bench.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj]
-                                      [--only slab] [--write-table [--table-out F]]
+    python -m lab.skinny_gemm_sweep [--m 1,16,64] [--shapes ...] [--ops qkv,o_proj]
+                                    [--only slab] [--write-table [--table-out F]]
 
 Timing: each case is captured as a CUDA graph of R launches cycling over enough weight
 copies to defeat the L2 (>= 512 MB per case); replayed, CUDA events, median / R.
@@ -15,22 +15,14 @@ skinny_linear's CUBLAS route, which is what the engine runs for an op whose tabl
 Ceiling measured in the same run: a pure read (sum over 1 GiB).
 --write-table writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.json (the
 engine's tuned table, engine/kernels/skinny_configs.py) with fused_m = the tuned M whose
-fused step total beats cuBLAS's on every shape (with a 5% margin; the engine uses the fused path for a batch
-whose tuned bucket, the smallest tuned M >= its rows, is in fused_m).
-NOTE: an isolated win can lose inside a whole step (H200, 2026-12-03: the 8B one-row
-gate_up+silu on a whole-row tile, 63.3 vs 64.7 us alone, made the batch-1 step 5.5% slower;
-decode_ab-20261203T074439), so the merged table overwrites entries the step A/B rejected:
-sweep into a candidate (--table-out, or `bash lab/gpu_session.sh candidate`, which also
-runs `bench.decode_ab --table-ab` on it) and ship only the entries that win in whole steps.
-The shipped entry of each (shape, M) is always a candidate, so a sweep never picks a tile
-slower than the current one. The same holds for the one-row slab GEMVs (--only slab; H200,
-2026-12-03, skinny_gemm_sweep-20261203T103555): every op won alone, but the 8B gate_up slab
-made whole steps 7-8% slower with its norm fused (decode_ab-20261203T111757, -T112704).
-Tried and dropped (H200, 2026-12-03, skinny_gemm_sweep-20261203T090952): tensor-core tiles
-128-256 weight rows wide with split-K at 64 rows, meant to cut the x re-reads from L2 (each N
-tile reads all of x: m / block_n of the weight bytes): slower on every op but lm_head (o_proj
-22.3 vs 13.3 us, down 45.1 vs 38.7, gate_up 79.7 vs 68.1; lm_head 264.8 vs 269.5), and
-step-neutral (decode_ab-20261203T091022), so those re-reads are not what limits 64 rows.
+fused step total beats cuBLAS's on every shape (with a 5% margin; the engine uses the fused
+path for a batch whose tuned bucket, the smallest tuned M >= its rows, is in fused_m).
+NOTE: an isolated win can lose inside a whole step (launch overlap, L2), so the merged table
+overwrites entries a step A/B may reject: sweep into a candidate (--table-out, or `bash
+lab/gpu_session.sh candidate`, which also runs `lab.decode_ab --table-ab` on it) and ship only
+the entries that win in whole steps. The shipped entry of each (shape, M) is always a
+candidate, so a sweep never picks a tile slower than the current one. Past sweeps and the
+variants they rejected: lab/notes/kernels.md.
 """
 from __future__ import annotations
 
@@ -65,8 +57,8 @@ FUSED_MARGIN = 1.05
 # Per op inside the fused path: the same op on cuBLAS (skinny_linear with the CUBLAS config:
 # rmsnorm kernel, F.linear, torch epilogues) only where it is faster than our best tile by
 # this factor (table entry ["cublas"]): its extra launches do not overlap their neighbours
-# (no PDL), which an isolated timing does not show (2026-12-03: a 0.4% isolated win had put
-# the 8B gate_up at one row on cuBLAS: 4 launches instead of 1).
+# (no PDL), which an isolated timing does not show (a 0.4% isolated win would put the 8B
+# gate_up at one row on cuBLAS: 4 launches instead of 1).
 OP_MARGIN = 1.03
 
 
@@ -120,7 +112,7 @@ def candidates(m: int, n: int, k: int, norm: bool, silu: bool) -> list[SkinnyCon
         for bn, bk, w in fma[:2]:
             out.append(SkinnyConfig(bn, bk, w, 1, False, 1, True))
         if m == 1 and norm:  # whole-row tiles with the norm as its own rmsnorm kernel: the
-            # fused prologue's registers cost more than the launch (8B gate_up, 2026-12-03)
+            # fused prologue's registers cost more than the launch (the 8B gate_up)
             out += [SkinnyConfig(bn, bk, w, 1, False, 1, False, True) for bn, bk, w in
                     ((2, 4096, 8), (4, 4096, 8), (2, 2048, 8), (4, 2048, 8))
                     if bk <= k and k % bk == 0]
@@ -263,7 +255,7 @@ def bench_op(shape, op, m, log_rows, only: str = ""):
 def write_table(rows: list[dict], ms: list[int], out_path: str | None = None,
                 all_ops: bool = True) -> str:
     """Writes this run's winners into the GPU's table (or to out_path, a candidate table for
-    `bench.decode_ab --table-ab`), keeping the entries of the GPU's current table for the
+    `lab.decode_ab --table-ab`), keeping the entries of the GPU's current table for the
     (shape, M) this run did not sweep (and its fused_m for the M it did not, or for every M
     when only some ops were swept: all_ops False)."""
     name = torch.cuda.get_device_name()
@@ -294,7 +286,7 @@ def write_table(rows: list[dict], ms: list[int], out_path: str | None = None,
     tuned_m = sorted({e["m"] for e in entries})
     doc = {"device": name, "max_m": max(fused_m, default=0), "fused_m": fused_m,
            "fused_margin": FUSED_MARGIN, "op_margin": OP_MARGIN, "tuned_m": tuned_m,
-           "note": old.get("note", ""), "source": "bench/skinny_gemm_sweep.py", "entries": entries}
+           "note": old.get("note", ""), "source": "lab/skinny_gemm_sweep.py", "entries": entries}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -1,7 +1,7 @@
-"""Candidate skinny-GEMM tables for step-level A/Bs (bench.decode_ab --table-ab): the shipped
+"""Candidate skinny-GEMM tables for step-level A/Bs (lab.decode_ab --table-ab): the shipped
 table of a GPU with some entries' configs changed, written to a new file.
 
-    python -m bench.table_variant OUT.json --set N,K[,silu]@M=FIELD:VALUE[;FIELD:VALUE...] ...
+    python -m lab.table_variant OUT.json --set N,K[,silu]@M=FIELD:VALUE[;FIELD:VALUE...] ...
                                   [--device "NVIDIA H200"]
 
 FIELD is a SkinnyConfig field (block_n, block_k, num_warps, num_stages, use_dot, split_k,

@@ -12,6 +12,7 @@ skinny_gemm.skinny_linear               decode matmul for few rows, norm / silu*
                                         next matmul's input rmsnorm by the last program
 slab_gemv.slab_gemv                     one-row GEMV, one wave of programs streaming whole rows
 trace                                   in-kernel timestamps (diagnostic, compiled out when off;
-                                        bench.step_profile --stamps)
-Importing a submodule imports triton; this package file imports nothing.
+                                        python -m lab.step_profile --stamps)
+options.KernelOptions                   the launch choices above, one frozen value per engine
+Importing a submodule imports triton (options.py excepted); this package file imports nothing.
 """

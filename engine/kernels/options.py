@@ -56,7 +56,7 @@ class KernelOptions:
     pdl_rmsnorm: bool = False  # off: with it the 8B batch-1 step is 10% slower (rmsnorm.py)
     pdl_late_trigger: bool = False  # trigger dependents after the main loads: 6% slower 8B batch 1
     # per fused decode matmul (SKINNY_OPS): None = PDL where supported, False = without it (a cut
-    # in the step's PDL chain; each cut tried cost 0.2-1.9%)
+    # in the step's PDL chain; each such cut made 8B steps 0.2-1.9% slower)
     pdl_qkv: bool | None = None
     pdl_o_proj: bool | None = None
     pdl_gate_up: bool | None = None

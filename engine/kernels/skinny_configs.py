@@ -1,7 +1,7 @@
 """Tile configs for the skinny decode GEMM (engine/kernels/skinny_gemm.py): the config
 type, the tuned tables (one JSON file per GPU model) and the heuristic for everything else.
 
-bench/skinny_gemm_sweep.py times every candidate config for the exact fused matmuls of real
+lab/skinny_gemm_sweep.py times every candidate config for the exact fused matmuls of real
 model shapes and writes the winners to engine/kernels/configs/skinny_gemm-<gpu>.json:
     {"device": "NVIDIA H200", "max_m": 64, "fused_m": [1, 16, 32, 64],
      "entries": [{"n": 6144, "k": 4096, "silu": false, "m": 1,
@@ -12,6 +12,7 @@ fused_m: the tuned m where the fused kernels beat cuBLAS over a whole step; a ba
 the fused path when its tuned bucket (the smallest tuned m >= its rows) is in fused_m (a
 table without fused_m: every batch <= max_m).
 Shapes or GPUs without a table fall back to default_config's heuristic.
+KernelOptions.skinny_table names another table file to use instead (a candidate under test).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ log = logging.getLogger("splitserve.engine.kernels")
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
 # Decode batches up to this many rows use the fused skinny path by default (see
-# DeviceConfig.skinny_gemm_max_batch); chosen from bench/skinny_gemm_sweep.py on an H200.
+# DeviceConfig.skinny_gemm_max_batch) where the GPU has no table (measure: python -m
+# lab.skinny_gemm_sweep).
 DEFAULT_MAX_M = 16
 
 

@@ -228,9 +228,9 @@ def test_overlapped_prompt_chunks_on_the_gpu(hf_dir):
     the device at their flat positions, behind the chunk); every request gets all its tokens,
     equal to the synchronous engine's. fp32: with overlap the arrivals join one model step
     later (the step in flight was launched before they came), beside another chunk, and in
-    bf16 a batch's rounding depends on what runs beside it (H200, 2026-12-03: overlapped vs
-    synchronous, 53 of 72 tokens equal in bf16, with graphs and with eager alike; all 72 in
-    fp32: bench/results/overlap_chunks_diag-20261203T2122.log)."""
+    bf16 a batch's rounding depends on what runs beside it (on an H200, overlapped vs
+    synchronous: 53 of 72 tokens equal in bf16, with graphs and with eager alike; all 72 in
+    fp32)."""
     path, _ = hf_dir
     eng = _overlap_engine(path, "fp32", max_num_batched_tokens=96, long_prefill_token_threshold=64)
     prompts = [p[:16] for p in _prompts(2)]
