@@ -20,8 +20,9 @@ import sys
 import tempfile
 import time
 
+from kvtransfer.endpoint import BACKENDS as KV_BACKENDS
+
 GRACE_S = 10.0
-KV_BACKENDS = ("auto", "grpc", "dist", "nixl", "vmm", "shm")  # kvtransfer.endpoint.BACKENDS
 
 
 class UpError(ValueError):
