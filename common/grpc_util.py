@@ -134,3 +134,12 @@ def service_main(name: str, parse_args, amain, argv=None) -> int:
     except ValueError as e:
         print(f"{name}_svc: cannot start: {e}", file=sys.stderr)
         return 2
+
+
+def freeze_heap() -> None:
+    """After start-up: move every object alive now out of the collector's reach, so a full
+    collection (tens of ms over a loaded model's objects) never lands between two tokens."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

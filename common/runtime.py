@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common import telemetry
-from common.grpc_util import (add_health_and_reflection, bind, create_server, set_serving,
+from common.grpc_util import (add_health_and_reflection, bind, create_server, freeze_heap, set_serving,
                               wait_for_signal)
 from common.metrics import get_metrics
 from common.service_args import write_ready_file
@@ -57,6 +57,7 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     if args.metrics_port is not None:
         mport = metrics.serve(args.metrics_port, args.host)
     updater = asyncio.get_running_loop().create_task(_update_metrics(metrics, engine))
+    freeze_heap()
     await set_serving(hs, names, True)
     write_ready_file(args.ready_file, port, mport)
     log.info("%s serving on %s:%d (metrics port %s)", service, args.host, port, mport)

@@ -82,7 +82,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                     f"no room for {n} prompt tokens: {st.get('num_free_blocks')} of "
                                     f"{st.get('num_blocks')} KV blocks free")
             timeout = request.timeout_ms / 1e3 if request.timeout_ms else self.reservation_timeout_s
-            self.receiver.expect(tid, rid, len(blocks), n, timeout)
+            self.receiver.expect(tid, rid, len(blocks), n, timeout, block_ids=blocks)
             self._reserved_tokens[tid] = n
             lay = self.receiver.layout
             ticket = common_pb2.TransferTicket(

@@ -101,6 +101,7 @@ async def serve(cfg: GatewayConfig) -> int:
     log.info("gateway: model=%s gRPC %s:%d REST %s; prefill=%s decode=%s", core.model_name,
              cfg.host, grpc_port, f"http://{cfg.host}:{http_port}" if http_port >= 0 else "off",
              ",".join(cfg.prefill), ",".join(cfg.decode))
+    grpc_util.freeze_heap()
     if cfg.ready_file:
         import os
 

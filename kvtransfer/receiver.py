@@ -58,10 +58,10 @@ class KVReceiver:
 
     # ---- decode-service side ---------------------------------------------------------
     def expect(self, transfer_id: str, request_id: str, num_blocks: int, num_tokens: int,
-               timeout_s: float | None = None) -> Transfer:
+               timeout_s: float | None = None, block_ids: list[int] | None = None) -> Transfer:
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id!r} already exists")
-        t = Transfer(transfer_id, request_id)
+        t = Transfer(transfer_id, request_id, block_ids=list(block_ids) if block_ids is not None else None)
         t.deadline = t.created + (timeout_s if timeout_s else self.default_timeout_s)
         self._transfers[transfer_id] = t
         self._meta[transfer_id] = (num_blocks, num_tokens)

@@ -92,6 +92,7 @@ class Transfer:
     started_at: float | None = None     # first byte moved
     finished_at: float | None = None
     claimed: bool = False               # receiver: the decode request took over the blocks
+    block_ids: list[int] | None = None  # receiver: the reserved blocks, when known at expect
 
     @property
     def duration_s(self) -> float:

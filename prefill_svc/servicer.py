@@ -39,6 +39,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.in_flight = 0
         self._rate = Rate()
         self._prompt_tokens = 0
+        self._releases: set[asyncio.Future] = set()  # success-path releases still queued
 
     def _check_ticket(self, t: common_pb2.TransferTicket) -> None:
         if not t.transfer_id or not t.decode_address:
@@ -130,7 +131,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 # NOTE: always, shielded: a cancelled RPC still frees the blocks. abort (not just
                 # release) on failure also drops a request whose add_request is still queued.
                 if added:
-                    await asyncio.shield(_release(self.engine, rid, abort=not ok))
+                    rel = asyncio.ensure_future(_release(self.engine, rid, abort=not ok))
+                    if ok:  # the answer need not wait for the engine thread to free the blocks
+                        self._releases.add(rel)
+                        rel.add_done_callback(self._releases.discard)
+                    else:
+                        await asyncio.shield(rel)
             self.metrics.observe_kv_transfer("send", nbytes, t_sent - t_first)
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.requests.labels(outcome="prefilled").inc()
@@ -147,6 +153,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 num_cached_tokens=first.num_cached_tokens, kv_bytes=nbytes, kv_backend=backend,
                 timings=prefill_pb2.PrefillTimings(prefill_ms=(t_first - t_in) * 1e3,
                                                    transfer_ms=(t_sent - t_first) * 1e3))
+
+    async def settled(self) -> None:
+        """Wait for the success-path releases still queued (shutdown, tests)."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
 
     async def Load(self, request, context):
         st = self.engine.stats()

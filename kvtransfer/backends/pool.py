@@ -130,7 +130,8 @@ class PoolImporter:
         peer = await self._peer(address, pool_id)
         lay = self.receiver.layout
         n = -(-num_tokens // lay.block_size)
-        dst_ids = list(await self.block_ids_of(t.request_id))
+        # the ids from the reservation itself: asking the engine thread would wait out its step
+        dst_ids = t.block_ids if t.block_ids is not None else list(await self.block_ids_of(t.request_id))
         if num_tokens < 1 or len(src_ids) < n or len(dst_ids) < n:
             self.receiver.fail(transfer_id, f"handoff of {num_tokens} tokens names {len(src_ids)} "
                                f"prefill blocks for {len(dst_ids)} reserved")

@@ -142,6 +142,7 @@ async def test_layer_zero_is_sent_while_the_last_layer_still_computes():
             "last layer done, layer 0 sent before: True") < sender.events.index(f"grpc send {n - 1}")
         assert sender.events[-1] == "grpc finish"
         assert resp.kv_backend == "grpc" and resp.kv_bytes == layout.layer_nbytes(3) * n
+        await svc.settled()
         held = await ae.call(lambda e: (e.kv.block_ids("r1"), dict(e.requests)))
         assert held == ([], {})  # released after the ack
     finally:

@@ -100,7 +100,7 @@ def test_kv_transfer_backend_flag_and_env(monkeypatch):
     def kv_backend_from_args(a):
         return from_args(a, BACKENDS, backend_unavailable)
 
-    assert kv_backend_from_args(prefill_args([])) == "grpc"  # default
+    assert kv_backend_from_args(prefill_args([])) == "auto"  # default
     monkeypatch.setenv("SPLITSERVE_KV_TRANSFER_BACKEND", "dist")
     assert kv_backend_from_args(prefill_args([])) == "dist"
     assert kv_backend_from_args(decode_args([])) == "dist"
