@@ -238,7 +238,8 @@ class Engine(DisaggregationMixin):
                 rid, [sampled[rid]], finished=done,
                 finish_reason=r.status.value if done else None,
                 logprobs=[r.output_logprobs[-1]] if r.params.logprobs is not None else [],
-                num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens))
+                num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens,
+                block_ids=self.kv.block_ids(rid) if done and r.prefill_only else None))
             if done and not r.prefill_only:
                 self.requests.pop(rid, None)
         return outputs

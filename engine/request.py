@@ -75,3 +75,6 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # a finished prefill-only request: the blocks holding its prompt's KV, in order (they stay
+    # held until release), so a handoff needs no second trip to the engine thread
+    block_ids: list[int] | None = None

@@ -105,12 +105,14 @@ class KVPusher:
         return route.backend in POOL_BACKENDS
 
     async def handoff(self, route: Route, ticket, request_id: str, engine, num_tokens: int,
-                      metadata: tuple = ()) -> tuple[int, str]:
-        """Pool backends, after the prompt's forward: decode copies the request's blocks from
-        our pool. -> (bytes, backend). A decode that cannot map the pool gets the KV over grpc."""
-        ids = await engine.reserved_block_ids(request_id)
-        scales = await engine.kv_scale_lists()
-        ks, vs = scales if scales is not None else (None, None)
+                      metadata: tuple = (), block_ids: list[int] | None = None) -> tuple[int, str]:
+        """Pool backends, after the prompt's forward: decode copies the request's blocks
+        (`block_ids`: from the engine's final output) from our pool. -> (bytes, backend).
+        A decode that cannot map the pool gets the KV over grpc."""
+        ids = block_ids if block_ids is not None else await engine.reserved_block_ids(request_id)
+        ks = vs = None
+        if self.layout.dtype == "fp8_e4m3":
+            ks, vs = await engine.kv_scale_lists()
         try:
             nbytes = await route.sender.handoff(ticket.decode_address, ticket.transfer_id, ids,
                                                 num_tokens, ks, vs, self.timeout_s, metadata)

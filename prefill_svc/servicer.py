@@ -111,7 +111,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         if pool:
                             nbytes, backend = await asyncio.wait_for(
                                 self.pusher.handoff(route, ticket, rid, self.engine, len(prompt),
-                                                    inject_metadata()), self.pusher.timeout_s + 5)
+                                                    inject_metadata(), first.block_ids),
+                                self.pusher.timeout_s + 5)
                         else:
                             nbytes, backend = await asyncio.wait_for(push, self.pusher.timeout_s + 5)
                     except (TransferError, asyncio.TimeoutError, TimeoutError) as e:

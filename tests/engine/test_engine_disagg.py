@@ -66,3 +66,15 @@ def test_fp8_kv_close_to_full_precision_and_smaller():
         cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
         # measured ~0.999 on the tiny random model; fp8 e4m3 keeps 3 mantissa bits
         assert cos > 0.99, cos
+
+
+def test_a_finished_prefill_only_output_names_its_blocks():
+    eng = _engine()
+    eng.add_request("p", list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0),
+                    prefill_only=True)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == "p"]
+    assert outs[-1].finished and outs[-1].block_ids == eng.reserved_block_ids("p")
+    assert len(outs[-1].block_ids) == -(-37 // eng.cfg.cache.block_size)
+    eng.release("p")
