@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 class Trace:
     t_send: float
     events: list[tuple[float, int]] = field(default_factory=list)  # (arrival, new tokens)
+    timings: dict | None = None  # the gateway's own account (gRPC API): queue, prefill, transfer
 
     @property
     def n_tokens(self) -> int:
@@ -131,6 +132,10 @@ async def grpc_one(stub, prompt: list[int], max_tokens: int, logprobs: int | Non
     async for m in stub.Generate(req, timeout=timeout_s):
         if m.token_ids:
             tr.events.append((time.perf_counter(), len(m.token_ids)))
+        if m.HasField("timings"):
+            t = m.timings
+            tr.timings = {"ttft_ms": t.ttft_ms, "queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms,
+                          "transfer_ms": t.transfer_ms}
     return tr
 
 

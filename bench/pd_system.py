@@ -120,11 +120,16 @@ def run_cases(run, a, vocab: int, max_model_len: int, seed: int, side: str, prob
         guarded(lambda: run(random_prompts(1, n, vocab, seed + 2 + i), 2, None))
 
     def ttft(n: int, s: int) -> dict:
-        ms = []
+        ms, parts = [], []
         for r in range(a.reps):
             tr = run(random_prompts(1, n, vocab, s * 1000 + r), 2, None)[0]
             ms.append((tr.events[0][0] - tr.t_send) * 1e3)
-        return {"ms_median": percentile(ms, 50), "samples_ms": [round(x, 3) for x in ms]}
+            if tr.timings:
+                parts.append(tr.timings)
+        out = {"ms_median": percentile(ms, 50), "samples_ms": [round(x, 3) for x in ms]}
+        for k in (parts[0] if parts else {}):  # the gateway's breakdown (system, gRPC API)
+            out[f"gateway_{k}_median"] = percentile([p[k] for p in parts], 50)
+        return out
 
     for i, n in enumerate(lens):
         say(f"{side}: TTFT, {n}-token prompt x {a.reps}")
@@ -312,6 +317,10 @@ def main(argv=None) -> int:
           f"KV transfer {a.kv_backend or 'default'}; ratio = system / engine "
           f"(TTFT: system / (engine + {TTFT_SLACK_MS:.0f} ms))")
     print_table(rows, COLS)
+    for k, v in sorted(sysr.items()):  # where the system's first token went (gateway's account)
+        if k.startswith("ttft_") and isinstance(v, dict) and "gateway_ttft_ms_median" in v:
+            print(f"system TTFT {k[5:]} tokens (gateway timings, median ms): " + ", ".join(
+                f"{p} {v[f'gateway_{p}_ms_median']:.2f}" for p in ("ttft", "queue", "prefill", "transfer")))
     sys.stdout.flush()
     config = {"argv": sys.argv[1:] if argv is None else list(argv), "engine_flags": vars(e),
               "bench": vars(a), "engine_argv": engine_argv, "ttft_slack_ms": TTFT_SLACK_MS}
