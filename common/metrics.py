@@ -27,6 +27,8 @@ _FAST = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0,
          80.0, 160.0)
 
+_RATIO = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)  # observed / predicted
+
 ADMISSION_DECISIONS = ("admit", "queue", "reject")
 # per-kind CUDA-graph stats keys (engine/graphs.py graph_metrics)
 _GRAPH_KEY = re.compile(r"^cuda_graph_([a-z]+)_(captured_count|replay_total|capture_failed_total"
@@ -94,6 +96,25 @@ class ServiceMetrics:
         self.predicted_ttft = Histogram("splitserve_predicted_ttft_seconds",
                                         "Admission controller's TTFT prediction", buckets=_SLOW,
                                         registry=r)
+        self.predicted_tpot = Histogram("splitserve_predicted_tpot_seconds",
+                                        "Admission controller's TPOT prediction", buckets=_FAST,
+                                        registry=r)
+        # prediction vs outcome of admitted requests (what: ttft|tpot)
+        self.prediction_ratio = Histogram(
+            "splitserve_admission_prediction_ratio", "Observed / predicted delay of an admitted "
+            "request (1 = exact)", ["what"], buckets=_RATIO, registry=r)
+        self.prediction_mape = Gauge(
+            "splitserve_admission_prediction_abs_error_ratio", "Median absolute percentage error "
+            "of the recent predictions (a fraction)", ["what"], registry=r)
+        self.prediction_correction = Gauge(
+            "splitserve_admission_prediction_correction", "Calibration factor the raw prediction "
+            "is multiplied by", ["what"], registry=r)
+        # --- prefix-aware routing (gateway; kind: prompt|predicted|cached tokens)
+        self.routing_prefix_tokens = Counter(
+            "splitserve_routing_prefix_tokens", "Prompt tokens routed to prefill, those the router "
+            "expected the replica's prefix cache to hold, and those it held", ["kind"], registry=r)
+        for k in ("prompt", "predicted", "cached"):
+            self.routing_prefix_tokens.labels(kind=k)
         # --- replicas as the gateway sees them (Load polls)
         self.replica_up = Gauge("splitserve_replica_up", "1 when the replica answered its last poll",
                                 ["role", "replica"], registry=r)

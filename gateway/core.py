@@ -1,8 +1,10 @@
 """GatewayCore: the one internal path both fronts (gRPC Generate, REST) go through.
 
-Per request:  validate -> admission (admit / queue / reject) -> pick decode replica ->
-decode.Reserve (ticket) -> pick prefill replica -> prefill.Prefill(ticket) (first token) ->
-decode.Decode stream -> chunks to the client (text by incremental detokenizing + stop strings).
+Per request:  validate -> admission (admit / queue / reject; picks the prefill replica, prefix
+cache hits included) -> pick decode replica -> decode.Reserve (ticket) -> prefill.Prefill(ticket)
+(first token) -> decode.Decode stream -> chunks to the client (text by incremental detokenizing +
+stop strings). The admitted request's predicted TTFT / TPOT are compared with what it got
+(Predictor.observe_outcome: calibration and the prediction-error metrics).
 
 Failure handling (invariant: nothing stays allocated downstream once generate() exits):
 - prefill UNAVAILABLE -> release the reservation, reserve again, try the next prefill replica;
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from typing import AsyncIterator
@@ -26,7 +29,7 @@ from common.convert import params_to_pb as request_params_pb
 from common.metrics import ServiceMetrics
 from common.telemetry import GenAI
 from gateway.admission import AdmissionConfig, AdmissionQueue, Decision, Predictor, decide
-from gateway.routing import ReplicaPool, order_decode, order_prefill
+from gateway.routing import PrefixIndex, ReplicaPool, Route, order_decode, order_prefill
 from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid
 
 log = logging.getLogger("splitserve.gateway.core")
@@ -48,6 +51,7 @@ class GatewayCore:
         self.admission_cfg = admission
         self.predictor = Predictor(admission)
         self.queue = AdmissionQueue()
+        self.prefix = PrefixIndex()
         self.metrics = metrics
         self.info = info or {}
         self.transfer_timeout_ms = transfer_timeout_ms
@@ -93,45 +97,86 @@ class GatewayCore:
         self._background(self._quiet(replica.stub.Abort(req, timeout=5.0), "Abort"))
 
     # ---- admission ----------------------------------------------------------------------
-    def _decide(self, req: GenRequest, waited_ms: float) -> Decision:
-        n = len(req.prompt_token_ids)
-        p = order_prefill(self.prefill.replicas, self.predictor, n)[0]
-        d = order_decode(self.decode.replicas, self.predictor)[0]
-        pred = self.predictor.predict(p.load, d.load, n)
-        ttft = req.ttft_slo_ms if req.ttft_slo_ms is not None else self.admission_cfg.default_ttft_ms
-        tpot = req.tpot_slo_ms if req.tpot_slo_ms is not None else self.admission_cfg.default_tpot_ms
-        return decide(pred, ttft, tpot, waited_ms, self.admission_cfg.max_queue_ms)
+    def _slos(self, req: GenRequest) -> tuple[float | None, float | None]:
+        cfg = self.admission_cfg
+        return (req.ttft_slo_ms if req.ttft_slo_ms is not None else cfg.default_ttft_ms,
+                req.tpot_slo_ms if req.tpot_slo_ms is not None else cfg.default_tpot_ms)
 
-    async def admit(self, req: GenRequest) -> Decision:
+    def _decide(self, req: GenRequest, waited_ms: float, route: Route | None = None) -> Decision:
+        route = route if route is not None else Route()
+        ids = req.prompt_token_ids
+        n = len(ids)
+        if route.hashes is None:
+            route.hashes = self.prefix.hashes(ids)
+        cached = {r.address: self.prefix.match(r.address, route.hashes, n)
+                  for r in self.prefill.replicas}
+        p = order_prefill(self.prefill.replicas, self.predictor, n, cached)[0]
+        d = order_decode(self.decode.replicas, self.predictor)[0]
+        route.prefill, route.cached = p, cached[p.address]
+        pred = self.predictor.predict(p.load, d.load, n, route.cached)
+        ttft, tpot = self._slos(req)
+        return decide(pred, ttft, tpot, waited_ms, self.admission_cfg.max_queue_ms,
+                      self.predictor.early_reject_slack())
+
+    async def admit(self, req: GenRequest, route: Route | None = None) -> Decision:
+        """Admit (route filled in, the prompt counted in its prefill replica's in-flight
+        tokens), or raise RESOURCE_EXHAUSTED with a Retry-After from the prediction."""
+        route = route if route is not None else Route()
         with telemetry.span("gateway.admission") as sp:
             queued = False
 
             def fn(waited_ms: float) -> Decision:
                 nonlocal queued
-                d = self._decide(req, waited_ms)
+                d = self._decide(req, waited_ms, route)
                 if d.kind == "queue" and not queued:
                     queued = True
                     self.metrics.admission.labels(decision="queue").inc()
                     self.metrics.waiting.inc()
                 return d
 
+            ttft_slo, _ = self._slos(req)
+            budget = min(ttft_slo if ttft_slo is not None else math.inf,
+                         self.admission_cfg.max_queue_ms)
             try:
-                d = await self.queue.run(fn, req.priority)
+                d = await self.queue.run(fn, req.priority, deadline=req.arrival + budget / 1e3)
             finally:
                 if queued:
                     self.metrics.waiting.dec()
             self.metrics.admission.labels(decision=d.kind).inc()
             if d.prediction is not None:
                 self.metrics.predicted_ttft.observe(d.prediction.ttft_ms / 1e3)
+                self.metrics.predicted_tpot.observe(d.prediction.tpot_ms / 1e3)
                 telemetry.set_attrs(sp, {"splitserve.predicted_ttft_ms": d.prediction.ttft_ms,
-                                         "splitserve.predicted_tpot_ms": d.prediction.tpot_ms})
+                                         "splitserve.predicted_tpot_ms": d.prediction.tpot_ms,
+                                         "splitserve.predicted_cached_tokens": route.cached})
             sp.set_attribute("splitserve.admission.decision", d.kind)
             sp.set_attribute("splitserve.admission.queued", queued)
             if d.kind == "reject":
                 raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"admission rejected request {req.request_id}: {d.reason}",
                                    retry_after_s=max(d.retry_after_s, 1.0))
+            route.prediction, route.t_decided = d.prediction, time.monotonic()
+            route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)
+            route.prefill.add_inflight(route.inflight)
             return d
+
+    def _observe_outcome(self, req: GenRequest, route: Route, ttft_ms: float | None,
+                         tpot_ms: float | None) -> None:
+        """One admitted request's prediction against what it got: calibration + metrics."""
+        pred = route.prediction
+        if pred is None:
+            return
+        et, ep = self.predictor.observe_outcome(pred, ttft_ms, tpot_ms)
+        m = self.metrics
+        for what, err, got, want, cal in (("ttft", et, ttft_ms, pred.ttft_ms, self.predictor.ttft_cal),
+                                          ("tpot", ep, tpot_ms, pred.tpot_ms, self.predictor.tpot_cal)):
+            if err is None:
+                continue
+            m.prediction_ratio.labels(what=what).observe(got / want)
+            m.prediction_mape.labels(what=what).set(cal.mape())
+            m.prediction_correction.labels(what=what).set(cal.factor)
+            log.debug("request %s %s predicted %.1f ms, got %.1f ms (%.0f%% off)", req.request_id,
+                      what.upper(), want, got, err * 100)
 
     # ---- downstream calls ---------------------------------------------------------------
     async def _reserve(self, req: GenRequest):
@@ -183,36 +228,58 @@ class GatewayCore:
                     raise GatewayError(e.code(), f"decode Reserve failed: {e.details()}") from None
         return None, None, last
 
-    async def _prefill(self, req: GenRequest):
-        """-> (decode replica, ticket, PrefillResponse). Retries other prefill replicas."""
+    async def _prefill(self, req: GenRequest, route: Route | None = None):
+        """-> (decode replica, ticket, PrefillResponse). Tries the replica admission chose
+        first, then the others."""
         from protos import prefill_pb2
 
+        route = route if route is not None else Route()
         params_pb = request_params_pb(req.params)
         tried, last = [], None
-        n = len(req.prompt_token_ids)
-        for p in order_prefill(self.prefill.replicas, self.predictor, n):
+        ids = req.prompt_token_ids
+        n = len(ids)
+        order = order_prefill(self.prefill.replicas, self.predictor, n)
+        if route.prefill is not None:
+            order = [route.prefill] + [r for r in order if r is not route.prefill]
+        for p in order:
             dec, ticket = await self._reserve(req)
             tried.append(p.address)
-            p.add_inflight(n)
+            if ticket.block_size and ticket.block_size != self.prefix.block_size:
+                self.prefix.set_block_size(ticket.block_size)
+                route.hashes = None
+            if route.hashes is None:
+                route.hashes = self.prefix.hashes(ids)
+            self.prefix.record(p.address, route.hashes, p.load.num_total_blocks)
+            held = 0 if p is route.prefill and route.inflight else n
+            if held:
+                p.add_inflight(held)
             try:
                 with telemetry.span("prefill.Prefill", kind=telemetry.SpanKind.CLIENT,
                                     attributes={"splitserve.replica": p.address}):
                     resp = await p.stub.Prefill(prefill_pb2.PrefillRequest(
                         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                         params=params_pb, ticket=ticket), metadata=telemetry.inject_metadata())
+                m = self.metrics.routing_prefix_tokens
+                m.labels(kind="prompt").inc(n)
+                m.labels(kind="predicted").inc(route.cached if p is route.prefill else 0)
+                m.labels(kind="cached").inc(resp.num_cached_tokens)
                 return dec, ticket, resp
             except grpc.aio.AioRpcError as e:
                 self._release(dec, req.request_id, ticket.transfer_id, f"prefill failed: {e.code().name}")
                 last = e
                 if e.code() in _RETRYABLE:
                     p.mark_down(f"Prefill: {e.details()}")
+                    self.prefix.forget(p.address)
                     continue
                 raise GatewayError(e.code(), f"prefill failed: {e.details()}") from None
             except BaseException:
                 self._release(dec, req.request_id, ticket.transfer_id, "cancelled during prefill")
                 raise
             finally:
-                p.done_inflight(n)
+                if held:
+                    p.done_inflight(held)
+                elif p is route.prefill:
+                    route.settle()
                 self.queue.notify()
         raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                            f"no prefill replica available (tried {', '.join(tried)}): "
@@ -274,9 +341,13 @@ class GatewayCore:
             self.queue.notify()
 
     async def _generate(self, req: GenRequest, sp) -> AsyncIterator[GenChunk]:
-        await self.admit(req)  # raises RESOURCE_EXHAUSTED when rejected
+        route = Route()
+        await self.admit(req, route)  # raises RESOURCE_EXHAUSTED when rejected
         t_admitted = time.monotonic()
-        dec, ticket, pre = await self._prefill(req)
+        try:
+            dec, ticket, pre = await self._prefill(req, route)
+        finally:
+            route.settle()
         pt = pre.timings
         self.predictor.observe_prefill(len(req.prompt_token_ids) - pre.num_cached_tokens,
                                        pt.prefill_ms, pt.transfer_ms)
@@ -286,6 +357,7 @@ class GatewayCore:
         n_prompt, n_gen = len(req.prompt_token_ids), 0
         t_first = time.monotonic()
         ttft_ms = (t_first - req.arrival) * 1e3
+        self._observe_outcome(req, route, (t_first - route.t_decided) * 1e3, None)
         self.metrics.ttft.observe(ttft_ms / 1e3)
         sp.set_attribute(GenAI.TTFT, ttft_ms / 1e3)
         timings = {"ttft_ms": ttft_ms, "queue_ms": (t_admitted - req.arrival) * 1e3 + pt.queue_ms,
@@ -295,6 +367,8 @@ class GatewayCore:
             now = time.monotonic()
             total_ms = (now - req.arrival) * 1e3
             tpot = (now - t_first) / (n_gen - 1) if n_gen > 1 else None
+            if tpot is not None:
+                self._observe_outcome(req, route, None, tpot * 1e3)
             self.metrics.e2e.observe(total_ms / 1e3)
             self.metrics.prompt_tokens.inc(n_prompt)
             self.metrics.generation_tokens.inc(n_gen)

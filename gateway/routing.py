@@ -1,6 +1,13 @@
 """Replica pools and routing: several prefill and decode replicas (address lists), their
 load polled periodically (Load RPC), requests sent where the predicted delay is least.
 
+Prefix-aware prefill routing: `PrefixIndex` keeps, per prefill replica, an LRU set of the
+chain hashes of the full prompt blocks the gateway sent there, hashed as engine/kv_cache.py
+does (key_i = (hash_{i-1}, tokens of block i)), so a prompt's longest leading run of blocks
+a replica likely still caches is known without asking it. A replica's predicted TTFT counts
+only the tokens it would compute (prompt minus that run), which weighs a cache hit against
+the replica's queue: a hit on a busy replica wins only while it is still predicted faster.
+
 A replica whose call failed with UNAVAILABLE is marked down and tried only after the healthy
 ones; the next successful Load poll brings it back.
 """
@@ -9,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.admission import LoadView, Predictor
+from gateway.admission import LoadView, Prediction, Predictor
 
 log = logging.getLogger("splitserve.gateway.routing")
 
@@ -51,11 +59,31 @@ class Replica:
         self.last_error = err
 
 
+@dataclass
+class Route:
+    """What admission chose for one request: its prefill replica (holding `inflight` of the
+    replica's in-flight tokens from the admit decision until its Prefill call ends), the
+    prompt tokens expected from that replica's prefix cache, and the prediction it was
+    admitted on."""
+    hashes: list[int] | None = None
+    prefill: Replica | None = None
+    cached: int = 0
+    inflight: int = 0
+    prediction: Prediction | None = None
+    t_decided: float = 0.0
+
+    def settle(self) -> None:
+        if self.prefill is not None and self.inflight:
+            self.prefill.done_inflight(self.inflight)
+            self.inflight = 0
+
+
 def load_view_from_pb(pb, keep: LoadView | None = None) -> LoadView:
     """LoadStats -> LoadView, keeping the gateway's own in-flight bookkeeping."""
     v = LoadView(queued_tokens=int(pb.queued_tokens), running=int(pb.running),
                  waiting=int(pb.waiting), kv_usage=float(pb.kv_usage),
                  num_free_blocks=int(pb.num_free_blocks) if pb.num_total_blocks else None,
+                 num_total_blocks=int(pb.num_total_blocks) or None,
                  mean_step_ms=float(pb.mean_step_ms) or None,
                  tokens_per_s=float(pb.tokens_per_s) or None)
     if keep is not None:
@@ -63,10 +91,68 @@ def load_view_from_pb(pb, keep: LoadView | None = None) -> LoadView:
     return v
 
 
-def order_prefill(replicas: list[Replica], predictor: Predictor, num_tokens: int) -> list[Replica]:
-    """Healthy replicas by predicted TTFT (least first), then the down ones as a last resort."""
+class PrefixIndex:
+    """Block-prefix hash chains the gateway routed to each replica (an LRU per replica).
+
+    A replica's set holds at most its KV block count (from Load; `default_capacity` before
+    that): the engine evicts cached blocks in LRU order too, so older entries are the ones
+    it no longer holds. The block size is learned from decode's tickets (`set_block_size`);
+    a change clears the index."""
+
+    def __init__(self, block_size: int = 16, default_capacity: int = 4096):
+        self.block_size = block_size
+        self.default_capacity = default_capacity
+        self._sets: dict[str, OrderedDict] = {}
+
+    def set_block_size(self, block_size: int) -> None:
+        if block_size > 0 and block_size != self.block_size:
+            self.block_size = block_size
+            self._sets.clear()
+
+    def hashes(self, ids: list[int]) -> list[int]:
+        """Chain hashes of the prompt's full blocks."""
+        bs, out, parent = self.block_size, [], None
+        for i in range(len(ids) // bs):
+            parent = hash((parent, tuple(ids[i * bs:(i + 1) * bs])))
+            out.append(parent)
+        return out
+
+    def match(self, address: str, hashes: list[int], num_tokens: int) -> int:
+        """Prompt tokens the replica is expected to hold: its longest leading run of blocks,
+        at most (num_tokens - 1) // block_size of them (the last token is always computed)."""
+        s = self._sets.get(address)
+        if not s:
+            return 0
+        n = 0
+        for h in hashes[:(num_tokens - 1) // self.block_size]:
+            if h not in s:
+                break
+            n += 1
+        return n * self.block_size
+
+    def record(self, address: str, hashes: list[int], capacity: int | None = None) -> None:
+        s = self._sets.setdefault(address, OrderedDict())
+        for h in hashes:
+            s[h] = None
+            s.move_to_end(h)
+        cap = capacity or self.default_capacity
+        while len(s) > cap:
+            s.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        """A replica that restarted holds nothing."""
+        self._sets.pop(address, None)
+
+
+def order_prefill(replicas: list[Replica], predictor: Predictor, num_tokens: int,
+                  cached: dict[str, int] | None = None) -> list[Replica]:
+    """Healthy replicas by predicted TTFT (least first), then the down ones as a last resort.
+    cached: replica address -> prompt tokens its prefix cache is expected to hold."""
+    cached = cached or {}
+
     def key(r: Replica):
-        return (not r.healthy, predictor.prefill_ms(r.load, num_tokens)[0], r.address)
+        return (not r.healthy, predictor.prefill_ms(r.load, num_tokens, cached.get(r.address, 0))[0],
+                -cached.get(r.address, 0), r.address)
     return sorted(replicas, key=key)
 
 

@@ -1,0 +1,134 @@
+"""Calibrated admission: online correction of the predictions, their error, early rejection
+once calibrated, deadline order in the queue; through GatewayCore on fake services."""
+import asyncio
+import math
+import time
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from gateway.admission import (AdmissionConfig, AdmissionQueue, Calibrator, Decision, LoadView,
+                               Prediction, Predictor, decide)
+from gateway.types import GatewayError, GenRequest
+from tests.gateway.conftest import make_stack
+
+
+def test_calibrator_converges_to_the_observed_ratio_and_reports_error():
+    c = Calibrator(alpha=0.2)
+    assert c.factor == 1.0 and c.mape() is None
+    for _ in range(60):  # the raw model predicts 100 ms, reality is 150 ms
+        c.observe(100.0, 100.0 * c.factor, 150.0)
+    assert c.factor == pytest.approx(1.5, rel=1e-3)
+    assert c.errors[-1] < 0.01 and c.errors[0] == pytest.approx(1 / 3)
+    assert c.observe(0.0, 1.0, 1.0) is None and c.observe(1.0, 1.0, math.inf) is None
+    big = Calibrator(max_factor=4.0)
+    big.observe(1.0, 1.0, 1000.0)
+    assert big.factor == pytest.approx(4.0)  # clamped
+
+
+def test_predictor_applies_and_learns_the_correction():
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0,
+                                  overhead_ms=0.0, decode_step_ms=10.0))
+    first = p.predict(LoadView(), LoadView(), 100)
+    assert first.ttft_ms == pytest.approx(100.0) and first.ttft_factor == 1.0
+    for _ in range(40):  # everything takes twice as long as modelled
+        pr = p.predict(LoadView(), LoadView(), 100)
+        p.observe_outcome(pr, 200.0, 20.0)
+    pr = p.predict(LoadView(), LoadView(), 100)
+    assert pr.ttft_ms == pytest.approx(200.0, rel=0.02) and pr.tpot_ms == pytest.approx(20.0, rel=0.02)
+    assert pr.idle_ttft_ms == pytest.approx(200.0, rel=0.02)  # the idle case is corrected too
+    assert p.ttft_cal.mape() < 0.05
+    # a prompt mostly in the replica's prefix cache computes only the rest
+    assert p.predict(LoadView(), LoadView(), 100, cached_tokens=96).cached_tokens == 96
+    off = Predictor(AdmissionConfig(calibrate=False, prefill_tokens_per_s=1000.0,
+                                    transfer_ms_per_token=0.0, overhead_ms=0.0))
+    off.ttft_cal.log_ratio = math.log(3.0)
+    assert off.predict(LoadView(), LoadView(), 100).ttft_ms == pytest.approx(100.0)
+
+
+def test_in_flight_and_queued_tokens_are_not_counted_twice():
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0,
+                                  overhead_ms=0.0))
+    both = p.predict(LoadView(queued_tokens=400, inflight_tokens=500), LoadView(), 100)
+    assert both.ttft_ms == pytest.approx(600.0)
+
+
+def test_early_reject_only_when_late_beyond_the_slack():
+    pred = Prediction(ttft_ms=500.0, tpot_ms=10.0, idle_ttft_ms=20.0, idle_tpot_ms=10.0,
+                      decode_full=False)
+    d = decide(pred, 100, None, 0, 30000, early_reject_slack=0.25)
+    assert d.kind == "reject" and "waiting would not help" in d.reason
+    assert d.retry_after_s == pytest.approx(0.48)  # the backlog ahead drains in 480 ms
+    near = Prediction(120.0, 10.0, 20.0, 10.0, False)  # 20 ms late: within 25 ms of slack
+    assert decide(near, 100, None, 0, 30000, early_reject_slack=0.25).kind == "queue"
+    assert decide(pred, 100, None, 0, 30000).kind == "queue"  # no slack: queue until deadline
+    tpot_late = Prediction(10.0, 50.0, 10.0, 5.0, False)  # TPOT lateness resolves by waiting
+    assert decide(tpot_late, 100, 20, 0, 30000, early_reject_slack=0.25).kind == "queue"
+
+
+def test_early_reject_waits_for_calibration():
+    p = Predictor(AdmissionConfig(calibration_min_samples=3))
+    assert p.early_reject_slack() is None
+    for _ in range(3):
+        p.observe_outcome(p.predict(LoadView(), LoadView(), 10), 5.0, None)
+    assert p.early_reject_slack() == 0.25
+
+
+async def test_queue_orders_by_deadline_within_a_priority_and_expires_behind_the_head():
+    q = AdmissionQueue()
+    state = {"busy": True}
+    order = []
+
+    def fn_for(name, expire_ms=None):
+        def fn(waited_ms):
+            if expire_ms is not None and waited_ms > expire_ms:
+                order.append(name + ":rejected")
+                return Decision("reject", "late")
+            if state["busy"]:
+                return Decision("queue", "busy")
+            order.append(name)
+            return Decision("admit", "ok")
+        return fn
+
+    now = time.monotonic()
+    late = asyncio.create_task(q.run(fn_for("late"), 0, poll_s=0.01, deadline=now + 10))
+    await asyncio.sleep(0.02)
+    soon = asyncio.create_task(q.run(fn_for("soon"), 0, poll_s=0.01, deadline=now + 1))
+    expiring = asyncio.create_task(q.run(fn_for("expiring", expire_ms=30), 0, poll_s=0.01,
+                                         deadline=now + 5))
+    await asyncio.sleep(0.1)
+    # not at the head, yet its deadline passed: rejected where it stood
+    assert expiring.done() and (await expiring).kind == "reject" and len(q) == 2
+    state["busy"] = False
+    q.notify()
+    await asyncio.wait_for(asyncio.gather(late, soon), 2)
+    assert order == ["expiring:rejected", "soon", "late"]
+
+
+async def test_core_learns_from_outcomes_and_rejects_early_once_calibrated():
+    s = await make_stack(admission=AdmissionConfig(calibration_min_samples=4,
+                                                   prefill_tokens_per_s=1000.0))
+    try:
+        core = s.core
+        ids = core.tokenizer.encode("abcdefgh")
+        for _ in range(6):
+            r = GenRequest(core.new_request_id(), ids, SamplingParams(temperature=0.0, max_tokens=4))
+            _ = [c async for c in core.generate(r)]
+        assert core.predictor.ttft_cal.samples == 6 and core.predictor.tpot_cal.samples == 6
+        body = core.metrics.render()[0].decode()
+        assert 'splitserve_admission_prediction_ratio_count{what="ttft"} 6.0' in body
+        assert 'splitserve_admission_prediction_abs_error_ratio{what="tpot"}' in body
+        assert 'splitserve_admission_prediction_correction{what="ttft"}' in body
+        # a backlog far beyond the SLO: rejected at once, with the drain time as Retry-After
+        core.prefill.replicas[0].load.queued_tokens = 1_000_000
+        t0 = time.monotonic()
+        r = GenRequest(core.new_request_id(), ids, SamplingParams(max_tokens=2), ttft_slo_ms=2000)
+        with pytest.raises(GatewayError) as ei:
+            _ = [c async for c in core.generate(r)]
+        assert time.monotonic() - t0 < 0.5 and len(core.queue) == 0
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "waiting would not help" in ei.value.message and ei.value.retry_after_s > 10
+        assert core.prefill.replicas[0].load.inflight_tokens == 0  # nothing left counted
+    finally:
+        await s.close()
