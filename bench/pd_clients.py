@@ -246,8 +246,13 @@ def kv_delta(before: dict, after: dict, requests: int) -> dict:
     backends = {re.search(r'backend="([^"]*)"', k).group(1): int(v) for k, v in d.items()
                 if k.startswith("splitserve_kv_transfers_total{") and v > 0}
     n = sum(backends.values()) or requests
-    return {"bytes_per_request": sent / n, "bytes_total": sent, "transfers_by_backend": backends,
-            "backend": ",".join(sorted(backends))}
+    out = {"bytes_per_request": sent / n, "bytes_total": sent, "transfers_by_backend": backends,
+           "backend": ",".join(sorted(backends))}
+    for side in ("send", "recv"):  # prefill: first token -> decode's ack; decode: bytes -> done
+        cnt = d.get(f'splitserve_kv_transfer_seconds_count{{direction="{side}"}}', 0.0)
+        if cnt > 0:
+            out[f"{side}_ms_mean"] = d[f'splitserve_kv_transfer_seconds_sum{{direction="{side}"}}'] / cnt * 1e3
+    return out
 
 
 def log_reason(text: str) -> str:

@@ -131,9 +131,12 @@ def run_cases(run, a, vocab: int, max_model_len: int, seed: int, side: str, prob
             out[f"gateway_{k}_median"] = percentile([p[k] for p in parts], 50)
         return out
 
+    before = guarded(probe) if probe else None
     for i, n in enumerate(lens):
         say(f"{side}: TTFT, {n}-token prompt x {a.reps}")
         res[f"ttft_{n}"] = guarded(lambda: ttft(n, seed + 100 + i))
+    if probe:
+        res["kv_ttft"] = guarded(lambda: kv_delta(before, probe(), a.reps * len(lens)))
     say(f"{side}: {a.clients} clients x {a.prompt_len}-token prompts, {a.max_tokens} tokens out")
     before = guarded(probe) if probe else None
     res["load"] = guarded(lambda: trace_stats(
@@ -213,7 +216,7 @@ def system_side(a, e, engine_argv: list[str]) -> tuple[dict, str]:
             return asyncio.run(run_system(a.api, addr, info.model, prompts, max_tokens, lp))
 
         res = run_cases(run, a, info.vocab_size, info.max_model_len, e.seed, "whole system",
-                        probe=lambda: scrape(mports[0]))
+                        probe=lambda: {**scrape(mports[0]), **scrape(mports[1])})
     except Exception as ex:  # noqa: BLE001 - every system cell says why
         say(f"whole system failed: {ex}")
         res = {"error": f"error: {type(ex).__name__}: {ex}"}
@@ -277,11 +280,16 @@ def build_rows(eng: dict, sysr: dict, a) -> list[dict]:
              ("client messages per token (load; < 1: gaps are per message)", "load",
               "messages/token", None),
              ("KV bytes per request (load case)", "kv", "bytes_per_request", None),
-             ("KV transfer backend", "kv", "backend", None)]
+             ("KV transfer backend", "kv", "backend", None),
+             ("KV handoff, prefill side (first token -> ack), mean ms, single requests", "kv_ttft",
+              "send_ms_mean", None),
+             ("KV handoff, decode side (bytes -> done), mean ms, single requests", "kv_ttft",
+              "recv_ms_mean", None),
+             ("KV handoff, prefill side, mean ms, load case", "kv", "send_ms_mean", None)]
     rows = []
     for label, case, key, kind in spec:
         ev, sv = cell(eng, case, key), cell(sysr, case, key)
-        if case == "kv":
+        if case in ("kv", "kv_ttft"):
             ev = "-"
         rows.append({"case": label, "engine alone": fmt(ev), "whole system": fmt(sv),
                      "ratio": fmt(ratio(sv, ev, kind)) if kind else ""})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ import grpc
 from common.convert import FINISH_REASONS, load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import server_span, set_attrs
+from engine.request import RequestOutput
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVReceiver, TransferError
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2
@@ -184,8 +186,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 return
             pump_task = asyncio.get_running_loop().create_task(pump())
             self._running[rid] = (pump_task, q)
+            held = None  # an item _coalesce took but could not merge: the next one to handle
             while True:
-                out = await q.get()
+                out, held = _coalesce(held if held is not None else await q.get(), q)
                 if out is _END:
                     raise RuntimeError("engine stream ended without a finished output")
                 if out is _ABORTED:
@@ -281,6 +284,28 @@ async def _abort_quietly(engine, rid: str) -> None:
         await engine.abort(rid)
     except Exception:  # noqa: BLE001 - engine gone: nothing left to free
         log.debug("abort of %s failed", rid, exc_info=True)
+
+
+def _mergeable(x) -> bool:
+    return isinstance(x, RequestOutput) and x.finish_reason != "error"
+
+
+def _coalesce(out, q: asyncio.Queue):
+    """Merge the outputs already queued behind `out` into one message (a stream whose reader
+    fell behind catches up in one write instead of one per token). -> (message, an item taken
+    from the queue that could not be merged, to be handled next, or None)."""
+    if not _mergeable(out) or out.finished:
+        return out, None
+    while not q.empty():
+        nxt = q.get_nowait()
+        if not _mergeable(nxt):
+            return out, nxt
+        out = dataclasses.replace(out, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                                  logprobs=out.logprobs + nxt.logprobs, finished=nxt.finished,
+                                  finish_reason=nxt.finish_reason)
+        if out.finished:
+            break
+    return out, None
 
 
 class _Abort(Exception):

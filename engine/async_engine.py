@@ -240,8 +240,7 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if eng.has_unfinished():
-                    for out in eng.step():
-                        self._deliver(out)
+                    self._deliver_all(eng.step())
                     self._stats = eng.stats()
                 else:
                     self._stats = eng.stats()
@@ -251,11 +250,21 @@ class AsyncEngine:
             for rid, (loop, q) in list(self._streams.items()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        s = self._streams.get(out.request_id)
-        if s is not None:
-            loop, q = s
-            loop.call_soon_threadsafe(q.put_nowait, out)
+    def _deliver_all(self, outs: list[RequestOutput]) -> None:
+        """One wake-up of each event loop per step, not one per output (a 64-row step would
+        otherwise cost the loop 64 wake-ups and the engine thread as many GIL hand-offs)."""
+        by_loop: dict = {}
+        for out in outs:
+            s = self._streams.get(out.request_id)
+            if s is not None:
+                by_loop.setdefault(s[0], []).append((s[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future, res) -> None:
