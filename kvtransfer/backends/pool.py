@@ -1,8 +1,8 @@
 """Pool backends: `vmm` (CUDA virtual memory: one GPU, or GPUs of one host) and `shm` (CPU
 memory of one host). Prefill's KV pool is shareable memory (engine.kv_memory); decode maps it
 once per prefill process and, per request, copies the prompt's blocks from prefill's pool into
-the blocks it reserved: one gather/scatter over all layers, on decode's own copy stream and
-thread, so neither engine thread waits and no byte crosses a wire or the host.
+the blocks it reserved: one gather/scatter over all layers, on decode's own copy stream (off
+both engine threads), so no step waits and no byte crosses a wire or the host.
 
     prefill: sender = PoolKVSender(server, kind); nbytes = await sender.handoff(...)
     decode:  importer = PoolImporter(receiver, dst_blocks, block_ids_of, device)
@@ -44,10 +44,11 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
 
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
-                stream=None) -> None:
+                stream=None, wait: bool = True) -> None:
     """dst[:, dst_ids] = src[:, src_ids] over uint8 [layers * 2, blocks, block_bytes] views;
-    blocking until done (CUDA: on `stream`, then synchronized). Contiguous stretches move as
-    strided copies (each byte read and written once); scattered ids through a gather."""
+    CUDA: on `stream`, synchronized unless wait=False (then only launched). Contiguous
+    stretches move as strided copies (each byte read and written once); scattered ids
+    through a gather."""
     dev = dst.device
     if src.shape[-1] % 8 == 0:  # 8-byte elements: the copy kernels move 1-byte ones slowly
         src, dst = src.view(torch.int64), dst.view(torch.int64)
@@ -61,8 +62,32 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
             si = torch.tensor(src_ids, dtype=torch.long, device=dev)
             di = torch.tensor(dst_ids, dtype=torch.long, device=dev)
             dst.index_copy_(1, di, src.index_select(1, si))
-    if dev.type == "cuda":
+    if dev.type == "cuda" and wait:
         (stream or torch.cuda.current_stream(dev)).synchronize()
+
+
+INLINE_BYTES = 4 << 20  # CPU copies up to this size run on the event loop (a thread hop costs more)
+POLL_S = 0.002          # CUDA: poll the copy's event this long, then wait for it on a thread
+
+
+async def run_copy(src, src_ids, dst, dst_ids, stream) -> None:
+    """copy_blocks without a thread hop where it is cheap: a CUDA copy is launched here and its
+    event polled (a handoff of a few MiB takes tens of microseconds); a large CPU copy, or a
+    CUDA one still running after POLL_S, is waited for on a worker thread."""
+    if dst.device.type == "cuda":
+        copy_blocks(src, src_ids, dst, dst_ids, stream, wait=False)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        deadline = time.perf_counter() + POLL_S
+        while not ev.query():
+            if time.perf_counter() > deadline:
+                await asyncio.to_thread(ev.synchronize)
+                return
+            await asyncio.sleep(0)
+    elif len(src_ids) * src.shape[0] * src.shape[2] <= INLINE_BYTES:
+        copy_blocks(src, src_ids, dst, dst_ids)
+    else:
+        await asyncio.to_thread(copy_blocks, src, src_ids, dst, dst_ids)
 
 
 class PoolImporter:
@@ -145,8 +170,7 @@ class PoolImporter:
         t0 = time.perf_counter()
         # NOTE: the copy runs to its end even if this call is cancelled (prefill gone): the
         # blocks are freed only after it (settled), so nothing lands in reused blocks
-        task = asyncio.ensure_future(asyncio.to_thread(
-            copy_blocks, peer.blocks, src_ids, self.dst, dst_ids[:n], self._stream))
+        task = asyncio.ensure_future(run_copy(peer.blocks, src_ids, self.dst, dst_ids[:n], self._stream))
         self._copies[t.request_id] = task
         self._users[address] = self._users.get(address, 0) + 1
         task.add_done_callback(lambda _t, rid=t.request_id: self._copy_done(rid, _t, address, peer))
