@@ -210,6 +210,7 @@ async def run_system(api: str, addr: str, model: str, prompts: list[list[int]], 
         from protos import generate_pb2_grpc
 
         async with grpc.aio.insecure_channel(addr) as ch:
+            await ch.channel_ready()  # a client's connection is open before it asks: time the request only
             stub = generate_pb2_grpc.GenerationStub(ch)
             return list(await asyncio.gather(*(grpc_one(stub, p, max_tokens, logprobs, timeout_s)
                                                for p in prompts)))
