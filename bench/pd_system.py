@@ -69,6 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--logprobs", type=int, default=1, help="top-N in the logprobs-on case")
     ap.add_argument("--kv-backend", choices=("auto", "grpc", "dist", "nixl", "vmm", "shm"), default=None)
     ap.add_argument("--api", choices=("grpc", "rest"), default="grpc")
+    ap.add_argument("--prefill-on-decode", choices=("never", "auto", "always"), default=None,
+                    help="the gateway's choice (default: its own, auto)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     a, rest = ap.parse_known_args(argv)
     ep = argparse.ArgumentParser(prog="engine flags", allow_abbrev=False)
@@ -183,6 +185,8 @@ def start_up(a, e, engine_argv: list[str], log_path: str, mports: tuple[int, int
         cmd += engine_argv
     if a.kv_backend:
         cmd += ["--kv-transfer-backend", a.kv_backend]
+    if a.prefill_on_decode:
+        cmd += [f"--gateway-arg=--prefill-on-decode={a.prefill_on_decode}"]
     path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
     env = {**os.environ, "PYTHONPATH": path, "OTEL_TRACES_EXPORTER": "none"}
     say("whole system: " + " ".join(cmd[1:]))
@@ -321,8 +325,8 @@ def main(argv=None) -> int:
     sysr, up_tail = system_side(a, e, engine_argv)
     add_derived(sysr)
     rows = build_rows(eng, sysr, a)
-    print(f"pd_system: {e.model} on {e.device}, {a.api} clients, "
-          f"KV transfer {a.kv_backend or 'default'}; ratio = system / engine "
+    print(f"pd_system: {e.model} on {e.device}, {a.api} clients, KV transfer "
+          f"{a.kv_backend or 'default'}, prefill on decode {a.prefill_on_decode or 'default'}; ratio = system / engine "
           f"(TTFT: system / (engine + {TTFT_SLACK_MS:.0f} ms))")
     print_table(rows, COLS)
     for k, v in sorted(sysr.items()):  # where the system's first token went (gateway's account)

@@ -36,8 +36,8 @@ async def amain(args) -> int:
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout, KVReceiver
     from kvtransfer.backends.pool_service import PoolKVTransferService
-    from kvtransfer.endpoint import (BACKENDS, backend_unavailable, local_endpoint, pair_transport,
-                                     pool_backend_for)
+    from kvtransfer.endpoint import (BACKENDS, backend_unavailable, device_id, local_endpoint,
+                                     pair_transport, pool_backend_for)
     from protos import decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
     backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
@@ -91,6 +91,7 @@ async def amain(args) -> int:
                              kv_backends=accepted, pair=pair)
         kvsvc = PoolKVTransferService(rx, planes, max_layer_bytes=layout.layer_nbytes(info["num_blocks"]),
                                       pool_importer=importer)
+        svc.device_id = device_id(pair or local_endpoint(info["device"]))
         holder.update(svc=svc, rx=rx, kvsvc=kvsvc)
         decode_pb2_grpc.add_DecodeServicer_to_server(svc, server)
         kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kvsvc, server)

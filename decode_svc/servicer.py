@@ -49,6 +49,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.owner: dict[str, str] = owner if owner is not None else {}
         self.kv_backends = list(kv_backends)  # advertised in tickets, preferred first
         self.pair = pair                      # kvtransfer.endpoint.PairEndpoint for dist / nixl
+        self.device_id = ""                   # LoadStats.device_id (set by the service's main)
         self._rate = Rate()
         self._generated = 0
 
@@ -103,6 +104,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     # ---- Decode -----------------------------------------------------------------------
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        if request.prefill_here:
+            async for resp in self._decode_here(request, context):
+                yield resp
+            return
         rid, tid = request.request_id, request.transfer_id
         with server_span("decode", context, attributes={"splitserve.request_id": rid}) as sp:
             t = self.receiver.get(tid)
@@ -152,21 +157,49 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except RuntimeError as e:  # engine error / engine thread died
                 await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {e}")
 
-    async def _stream(self, rid, request, params, wait_ms):
+    async def _decode_here(self, request: decode_pb2.DecodeRequest, context):
+        """Decode with prefill_here: the prompt runs in this engine (no reservation, no KV)."""
+        rid = request.request_id
+        with server_span("decode", context, attributes={"splitserve.request_id": rid,
+                                                        "splitserve.prefill_here": True}):
+            try:
+                if not rid:
+                    raise InvalidRequestError("request_id is required")
+                if rid in self._running or self.receiver.find_request(rid) is not None:
+                    raise InvalidRequestError(f"request id {rid!r} is already in use here")
+                if not request.prompt_token_ids:
+                    raise InvalidRequestError("prompt_token_ids is empty")
+                params = params_from_pb(request.params)
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+            try:
+                async with contextlib.aclosing(self._stream(rid, request, params, 0.0, here=True)) as st:
+                    async for resp in st:
+                        yield resp
+            except _Abort as e:
+                await context.abort(e.code, str(e))
+            except RuntimeError as e:
+                await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {e}")
+
+    async def _stream(self, rid, request, params, wait_ms, here: bool = False):
         """Yield DecodeResponses. The engine stream is read by a pump task into a local queue,
-        so Abort (another RPC) can end this stream at once by queueing _ABORTED."""
+        so Abort (another RPC) can end this stream at once by queueing _ABORTED.
+        here: the prompt runs in this engine (prefill_here); else its KV is in place and
+        request.first_token_id was sampled by prefill."""
         prompt = [int(x) for x in request.prompt_token_ids]
-        first = int(request.first_token_id)
+        first = None if here else int(request.first_token_id)
         tok = self.engine.tokenizer
         detok = tok.detokenizer(prompt, params) if tok is not None and (request.detokenize or params.stop) else None
-        pending_text, stop = detok.step([first]) if detok is not None else ("", None)
+        pending_text, stop = detok.step([first]) if detok is not None and first is not None else ("", None)
         text_out = bool(request.detokenize)
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump():
             try:
                 # NOTE: blocks are ours since claim(); a join that fails frees them
-                outs = self.engine.stream_prefilled(rid, prompt, first, params)
+                outs = (self.engine.generate(rid, prompt, params) if here
+                        else self.engine.stream_prefilled(rid, prompt, first, params))
                 async with contextlib.aclosing(outs) as agen:
                     async for out in agen:
                         q.put_nowait(out)
@@ -176,7 +209,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except BaseException as e:  # noqa: BLE001 - delivered to the handler
                 q.put_nowait(e)
 
-        n_gen, t_last, first_msg, outcome = 1, time.perf_counter(), True, "abort"
+        n_gen, t_last, first_msg, outcome = int(not here), time.perf_counter(), True, "abort"
         pump_task = None
         try:
             if stop is not None:  # the first token already completed a stop string
@@ -270,7 +303,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         pending = {t.transfer_id for t in self.receiver.pending()}
         for tid in [k for k in self._reserved_tokens if k not in pending]:
             self._reserved_tokens.pop(tid, None)  # expired / failed reservations
-        return load_to_pb(self.engine.stats(), reserved=len(pending),
+        return load_to_pb(self.engine.stats(), reserved=len(pending), device_id=self.device_id,
                           queued_tokens=sum(self._reserved_tokens.values()),
                           tokens_per_s=int(self._rate.update(self._generated)))
 

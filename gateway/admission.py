@@ -4,14 +4,15 @@ Prediction (per candidate replica pair, see `Predictor`):
     TTFT = (max(queued prefill tokens on the replica, tokens the gateway has in flight there)
             + this prompt's uncached tokens) / prefill rate + transfer estimate + fixed overhead
     TPOT = decode step time at the replica's batch size + 1, inflated as KV usage nears full
-Rates are EWMAs of the gateway's own observations (prefill compute time per prompt token
-from PrefillResponse timings, decode token gaps); Load RPCs add queue lengths, batch sizes,
-KV usage, measured step times, and a throughput floor for the prefill rate.
+The delay models are fitted online (`OnlineLinear`, exponentially weighted least squares from
+a prior): prefill time = a + b * new tokens from PrefillResponse timings, decode step time =
+a + b * batch from the gateway's token gaps; Load RPCs add queue lengths, batch sizes, KV
+usage, measured step times, and a throughput floor for the prefill rate.
 
 Calibration: each admitted request's prediction is compared with what it then got (TTFT from
 the admit decision to its first token, TPOT over its whole stream). A `Calibrator` per quantity
-keeps an EWMA of log(observed / raw prediction) and multiplies later predictions by its
-exponential (clamped), so a model that is consistently off by a factor stops being off; it
+fits observed = a + b * raw prediction the same way and corrects later predictions with it
+(within a factor of 4), so a model off by a factor or by a fixed delay stops being off; it
 also keeps the recent absolute percentage errors (exported as metrics).
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
@@ -53,6 +54,7 @@ class LoadView:
     num_total_blocks: int | None = None
     mean_step_ms: float | None = None
     tokens_per_s: float | None = None
+    device_id: str = ""     # LoadStats.device_id: equal on replicas sharing a device
     inflight_tokens: int = 0  # tokens the gateway has sent there and not seen finish
     inflight_requests: int = 0
 
@@ -108,8 +110,8 @@ class Prediction:
     idle_tpot_ms: float
     decode_full: bool
     cached_tokens: int = 0  # prompt tokens expected from the replica's prefix cache
-    ttft_factor: float = 1.0  # calibration applied (raw prediction = value / factor)
-    tpot_factor: float = 1.0
+    raw_ttft_ms: float | None = None  # the model before calibration (None: same)
+    raw_tpot_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,32 +122,72 @@ class Decision:
     retry_after_s: float = 0.0
 
 
+class OnlineLinear:
+    """y = a + b*x by exponentially weighted least squares (each new sample multiplies the
+    old weights by `decay`), starting from a prior line (a, b). The slope is shrunk toward
+    the prior's (ridge): data whose x spreads less than ~sqrt(ridge) of its mean cannot fix a
+    slope, so then only the intercept fits; without data the prior line holds."""
+
+    def __init__(self, a: float, b: float, decay: float = 0.97, ridge: float = 0.01):
+        self.prior = (a, b)
+        self.decay, self.ridge = decay, ridge
+        self._s = [0.0] * 5  # sum w, wx, wy, wxx, wxy
+        self.samples = 0
+
+    def add(self, x: float, y: float) -> None:
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self._s[i] = self._s[i] * self.decay + v
+        self.samples += 1
+
+    def coef(self) -> tuple[float, float]:
+        s0, sx, sy, sxx, sxy = self._s
+        if s0 <= 0:
+            return self.prior
+        mx, my = sx / s0, sy / s0
+        lam = self.ridge * s0 * mx * mx
+        cxx, cxy = max(sxx - s0 * mx * mx, 0.0), sxy - s0 * mx * my
+        b = (cxy + lam * self.prior[1]) / (cxx + lam) if cxx + lam > 0 else self.prior[1]
+        b = max(b, 0.0)  # delays never shrink as their driver grows
+        return my - b * mx, b
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coef()
+        return a + b * x
+
+
 class Calibrator:
-    """Online correction of one predicted delay: `factor` = exp(EWMA of log(observed / raw
-    prediction)), clamped to [1/max_factor, max_factor]; `errors` holds the recent absolute
+    """Online correction of one predicted delay: observed ~ a + b * raw prediction
+    (OnlineLinear from the identity: while the raw predictions barely vary, an offset), the
+    corrected value
+    kept within [raw / max_factor, raw * max_factor]; `errors` holds the recent absolute
     percentage errors |corrected - observed| / observed of the predictions actually used."""
 
-    def __init__(self, alpha: float = 0.1, window: int = 256, max_factor: float = 4.0):
-        self.alpha, self.max_log = alpha, math.log(max_factor)
-        self.log_ratio = 0.0
+    def __init__(self, window: int = 256, max_factor: float = 4.0):
+        self.max_factor = max_factor
+        self.fit: OnlineLinear | None = None
         self.samples = 0
         self.errors: deque[float] = deque(maxlen=window)
 
-    @property
-    def factor(self) -> float:
-        return math.exp(self.log_ratio)
+    def correct(self, raw_ms: float) -> float:
+        if self.fit is None:
+            return raw_ms
+        return min(max(self.fit(raw_ms), raw_ms / self.max_factor), raw_ms * self.max_factor)
 
     def observe(self, raw_ms: float, used_ms: float, observed_ms: float) -> float | None:
         """-> this sample's absolute percentage error (None for a sample that cannot count)."""
         if not (raw_ms > 0 and used_ms > 0 and observed_ms > 0) or math.isinf(observed_ms):
             return None
-        r = math.log(observed_ms / raw_ms)
-        a = 1.0 if self.samples == 0 else self.alpha
-        self.log_ratio = min(self.max_log, max(-self.max_log, a * r + (1 - a) * self.log_ratio))
+        if self.fit is None:
+            self.fit = OnlineLinear(0.0, 1.0)
+        self.fit.add(raw_ms, observed_ms)
         self.samples += 1
         err = abs(used_ms - observed_ms) / observed_ms
         self.errors.append(err)
         return err
+
+    def coef(self) -> tuple[float, float]:
+        """(offset ms, scale) of the correction now."""
+        return self.fit.coef() if self.fit is not None else (0.0, 1.0)
 
     def mape(self) -> float | None:
         """Median absolute percentage error over the window (a fraction; None before data)."""
@@ -157,12 +199,17 @@ class Calibrator:
 
 
 class Predictor:
-    """Measured rates (shared by all replicas of a role; a replica's own tokens_per_s wins)."""
+    """Fitted delay models shared by all replicas of a role (a replica's own tokens_per_s is a
+    floor on the prefill rate): prefill ms = a + b * new tokens (PrefillResponse timings),
+    decode step ms = a + b * batch (the gateway's token gaps at the polled batch size); then
+    the Calibrators' corrections of the whole predicted TTFT / TPOT."""
 
     def __init__(self, cfg: AdmissionConfig):
         self.cfg = cfg
-        self.prefill_rate = Ewma(cfg.prefill_tokens_per_s)  # prompt tokens / s
-        self.decode_step = Ewma(cfg.decode_step_ms)  # ms per step at small batch
+        per_token = 1e3 / cfg.prefill_tokens_per_s
+        self.prefill_fit = OnlineLinear(0.0, per_token)
+        s = cfg.batch_slowdown * cfg.decode_step_ms
+        self.step_fit = OnlineLinear(cfg.decode_step_ms - s, s)
         self.transfer_per_token = Ewma(cfg.transfer_ms_per_token)
         self.ttft_cal = Calibrator()
         self.tpot_cal = Calibrator()
@@ -170,35 +217,40 @@ class Predictor:
     # ---- observations
     def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
         if num_tokens > 0 and prefill_ms > 0:
-            self.prefill_rate.update(num_tokens / (prefill_ms / 1e3))
+            self.prefill_fit.add(num_tokens, prefill_ms)
         if transfer_ms is not None and num_tokens > 0:
             self.transfer_per_token.update(transfer_ms / num_tokens)
 
     def observe_decode_gap(self, gap_ms: float, batch: int) -> None:
-        """A token gap measured at the gateway, normalised back to a batch of one."""
-        self.decode_step.update(gap_ms / (1 + self.cfg.batch_slowdown * max(batch - 1, 0)))
+        """A token gap measured at the gateway at a (polled) decode batch size."""
+        if gap_ms > 0:
+            # NOTE: one gap can hold a stall (a KV import, a new request joining): clip it so
+            # a rare outlier moves the fit by a bounded amount
+            self.step_fit.add(batch, min(gap_ms, 4 * self.step_fit(batch)))
 
     # ---- predictions
     def prefill_ms(self, prefill: LoadView, num_tokens: int,
                    cached_tokens: int = 0) -> tuple[float, float]:
         """-> (raw predicted ms until this prompt's first token, same on an idle replica);
         cached_tokens: prompt tokens the replica's prefix cache is expected to hold."""
-        # NOTE: a replica's tokens_per_s is recent *throughput* (low when idle), not capacity;
-        # it only raises the estimate (a saturated replica proves at least that rate)
-        rate = max(self.prefill_rate.value, prefill.tokens_per_s or 0.0)
+        a, per_token = self.prefill_fit.coef()
+        if prefill.tokens_per_s:
+            # NOTE: a replica's tokens_per_s is recent *throughput* (low when idle), not
+            # capacity; it only lowers the cost (a saturated replica proves at least that rate)
+            per_token = min(per_token, 1e3 / prefill.tokens_per_s)
         new = max(num_tokens - cached_tokens, 1)
         transfer = self.transfer_per_token.value * num_tokens
-        idle = new / rate * 1e3 + transfer + self.cfg.overhead_ms
+        idle = max(a + new * per_token, 0.0) + transfer + self.cfg.overhead_ms
         # NOTE: a prompt the gateway sent is in inflight_tokens (live) and, once the replica
         # queued it, in the polled queued_tokens too: the larger of the two, not their sum
         # (queued_tokens alone can exceed it when other clients feed the replica)
         ahead = max(prefill.queued_tokens, prefill.inflight_tokens)
-        return ahead / rate * 1e3 + idle, idle
+        return ahead * per_token + idle, idle
 
     def tpot_ms(self, decode: LoadView) -> tuple[float, float]:
-        base = self.decode_step.value
         batch = max(decode.running, decode.inflight_requests) + 1
-        tpot = base * (1 + self.cfg.batch_slowdown * (batch - 1))
+        base = self.step_fit(1)
+        tpot = max(self.step_fit(batch), base)
         if decode.mean_step_ms and decode.running > 0:
             # measured at the current batch size: one more sequence adds one slowdown step
             tpot = max(tpot, decode.mean_step_ms * (1 + self.cfg.batch_slowdown))
@@ -209,14 +261,15 @@ class Predictor:
 
     def predict(self, prefill: LoadView, decode: LoadView, num_tokens: int,
                 cached_tokens: int = 0) -> Prediction:
-        """Calibrated prediction (the raw model times each Calibrator's factor)."""
+        """Calibrated prediction (the raw models corrected by the Calibrators)."""
         ttft, idle_ttft = self.prefill_ms(prefill, num_tokens, cached_tokens)
         tpot, idle_tpot = self.tpot_ms(decode)
         full = decode.num_free_blocks == 0 or decode.kv_usage >= 0.999
-        ft = self.ttft_cal.factor if self.cfg.calibrate else 1.0
-        fp = self.tpot_cal.factor if self.cfg.calibrate else 1.0
-        return Prediction(ttft * ft, tpot * fp, idle_ttft * ft, idle_tpot * fp, full,
-                          cached_tokens, ft, fp)
+        if not self.cfg.calibrate:
+            return Prediction(ttft, tpot, idle_ttft, idle_tpot, full, cached_tokens, ttft, tpot)
+        ct, cp = self.ttft_cal.correct, self.tpot_cal.correct
+        return Prediction(ct(ttft), cp(tpot), ct(idle_ttft), cp(idle_tpot), full, cached_tokens,
+                          ttft, tpot)
 
     def early_reject_slack(self) -> float | None:
         """The slack decide() may reject early with: none before the TTFT predictor is
@@ -231,9 +284,11 @@ class Predictor:
         percentage errors (None where there was nothing to compare)."""
         et = ep = None
         if ttft_ms is not None:
-            et = self.ttft_cal.observe(pred.ttft_ms / pred.ttft_factor, pred.ttft_ms, ttft_ms)
+            raw = pred.raw_ttft_ms if pred.raw_ttft_ms is not None else pred.ttft_ms
+            et = self.ttft_cal.observe(raw, pred.ttft_ms, ttft_ms)
         if tpot_ms is not None:
-            ep = self.tpot_cal.observe(pred.tpot_ms / pred.tpot_factor, pred.tpot_ms, tpot_ms)
+            raw = pred.raw_tpot_ms if pred.raw_tpot_ms is not None else pred.tpot_ms
+            ep = self.tpot_cal.observe(raw, pred.tpot_ms, tpot_ms)
         return et, ep
 
 

@@ -11,6 +11,9 @@ DEFAULT_PREFILL = "127.0.0.1:50061"
 DEFAULT_DECODE = "127.0.0.1:50071"
 
 
+PREFILL_ON_DECODE = ("never", "auto", "always")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     model: str = "default"  # only the tokenizer / shape is loaded here, never the weights
@@ -25,11 +28,15 @@ class GatewayConfig:
     default_max_tokens: int = 16
     max_body_bytes: int = 1 << 20
     transfer_timeout_ms: int = 30000
+    prefill_on_decode: str = "auto"  # never | auto (decode and prefill share a GPU) | always
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     log_level: str | None = None
     ready_file: str | None = None
 
     def __post_init__(self):
+        if self.prefill_on_decode not in PREFILL_ON_DECODE:
+            raise ValueError(f"prefill_on_decode must be one of {PREFILL_ON_DECODE}, "
+                             f"got {self.prefill_on_decode!r}")
         if not self.prefill or not self.decode:
             raise ValueError("need at least one prefill and one decode address")
         for a in (*self.prefill, *self.decode):
@@ -73,6 +80,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=2000.0,
                    help="prefill rate prior until measured")
     p.add_argument("--log-level", default=None)
+    p.add_argument("--prefill-on-decode", choices=PREFILL_ON_DECODE,
+                   default=env_str("SPLITSERVE_PREFILL_ON_DECODE", "auto"),
+                   help="prefill on the decode replica itself: auto (when the prefill replica "
+                        "shares its GPU: the two would time-share it, so a handoff gains nothing), "
+                        "never (always split), always")
     p.add_argument("--ready-file", default=None,
                    help="write 'grpc_port http_port' here once serving")
 
@@ -87,4 +99,4 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         admission=AdmissionConfig(default_ttft_ms=a.default_ttft_ms, default_tpot_ms=a.default_tpot_ms,
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s),
-        log_level=a.log_level, ready_file=a.ready_file)
+        prefill_on_decode=a.prefill_on_decode, log_level=a.log_level, ready_file=a.ready_file)

@@ -29,7 +29,7 @@ from common.convert import params_to_pb as request_params_pb
 from common.metrics import ServiceMetrics
 from common.telemetry import GenAI
 from gateway.admission import AdmissionConfig, AdmissionQueue, Decision, Predictor, decide
-from gateway.routing import PrefixIndex, ReplicaPool, Route, order_decode, order_prefill
+from gateway.routing import PrefixIndex, Replica, ReplicaPool, Route, order_decode, order_prefill
 from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid
 
 log = logging.getLogger("splitserve.gateway.core")
@@ -41,7 +41,7 @@ class GatewayCore:
     def __init__(self, *, model_name: str, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], prefill: ReplicaPool, decode: ReplicaPool,
                  admission: AdmissionConfig, metrics: ServiceMetrics, info: dict | None = None,
-                 transfer_timeout_ms: int = 30000):
+                 transfer_timeout_ms: int = 30000, prefill_on_decode: str = "never"):
         self.model_name = model_name
         self.tokenizer = tokenizer  # engine.tokenizer.Tokenizer or None (token ids only)
         self.max_model_len = max_model_len
@@ -55,6 +55,7 @@ class GatewayCore:
         self.metrics = metrics
         self.info = info or {}
         self.transfer_timeout_ms = transfer_timeout_ms
+        self.prefill_on_decode = prefill_on_decode  # gateway/config.py PREFILL_ON_DECODE
         self._bg: set[asyncio.Task] = set()
         self.num_active = 0
 
@@ -174,9 +175,30 @@ class GatewayCore:
                 continue
             m.prediction_ratio.labels(what=what).observe(got / want)
             m.prediction_mape.labels(what=what).set(cal.mape())
-            m.prediction_correction.labels(what=what).set(cal.factor)
+            offset, scale = cal.coef()
+            m.prediction_correction.labels(what=what, term="scale").set(scale)
+            m.prediction_correction.labels(what=what, term="offset_ms").set(offset)
             log.debug("request %s %s predicted %.1f ms, got %.1f ms (%.0f%% off)", req.request_id,
                       what.upper(), want, got, err * 100)
+
+    def _decode_here(self, route: Route) -> Replica | None:
+        """The decode replica that prefills this request itself, or None (split). --prefill-on-
+        decode auto: when the prefill replica admission chose shares the decode replica's GPU:
+        two processes time-share it, so a handoff saves nothing, and the decode engine folds
+        the prompt into steps it runs anyway (decode rows ride along a prefill chunk)."""
+        mode = self.prefill_on_decode
+        if mode == "never":
+            return None
+        for d in order_decode(self.decode.replicas, self.predictor):
+            if not d.healthy:
+                continue
+            if mode == "always":
+                return d
+            p = route.prefill
+            if p is not None and d.load.device_id.startswith("cuda:") and d.load.device_id == p.load.device_id:
+                return d
+            return None
+        return None
 
     # ---- downstream calls ---------------------------------------------------------------
     async def _reserve(self, req: GenRequest):
@@ -344,61 +366,77 @@ class GatewayCore:
         route = Route()
         await self.admit(req, route)  # raises RESOURCE_EXHAUSTED when rejected
         t_admitted = time.monotonic()
+        dec = self._decode_here(route)  # prefill on the decode replica itself (or None: split)
+        ticket = pre = None
         try:
-            dec, ticket, pre = await self._prefill(req, route)
+            if dec is None:
+                dec, ticket, pre = await self._prefill(req, route)
         finally:
             route.settle()
-        pt = pre.timings
-        self.predictor.observe_prefill(len(req.prompt_token_ids) - pre.num_cached_tokens,
-                                       pt.prefill_ms, pt.transfer_ms)
+        if pre is not None:
+            pt = pre.timings
+            self.predictor.observe_prefill(len(req.prompt_token_ids) - pre.num_cached_tokens,
+                                           pt.prefill_ms, pt.transfer_ms)
         params = req.params
         detok = (self.tokenizer.detokenizer(req.prompt_token_ids, params)
                  if self.tokenizer is not None and req.want_text else None)
         n_prompt, n_gen = len(req.prompt_token_ids), 0
-        t_first = time.monotonic()
-        ttft_ms = (t_first - req.arrival) * 1e3
-        self._observe_outcome(req, route, (t_first - route.t_decided) * 1e3, None)
-        self.metrics.ttft.observe(ttft_ms / 1e3)
-        sp.set_attribute(GenAI.TTFT, ttft_ms / 1e3)
-        timings = {"ttft_ms": ttft_ms, "queue_ms": (t_admitted - req.arrival) * 1e3 + pt.queue_ms,
-                   "prefill_ms": pt.prefill_ms, "transfer_ms": pt.transfer_ms}
+        cached = pre.num_cached_tokens if pre is not None else 0
+        t_first = ttft_ms = None
+        timings: dict = {}
+
+        def first_token_out() -> None:
+            nonlocal t_first, ttft_ms
+            t_first = time.monotonic()
+            ttft_ms = (t_first - req.arrival) * 1e3
+            self._observe_outcome(req, route, (t_first - route.t_decided) * 1e3, None)
+            self.metrics.ttft.observe(ttft_ms / 1e3)
+            sp.set_attribute(GenAI.TTFT, ttft_ms / 1e3)
+            pt = pre.timings if pre is not None else None
+            timings.update(ttft_ms=ttft_ms, queue_ms=(t_admitted - req.arrival) * 1e3
+                           + (pt.queue_ms if pt else 0.0),
+                           prefill_ms=pt.prefill_ms if pt else ttft_ms - (t_admitted - req.arrival) * 1e3,
+                           transfer_ms=pt.transfer_ms if pt else 0.0)
 
         def finish_chunk(ids, text, lps, reason, stop_reason="") -> GenChunk:
             now = time.monotonic()
             total_ms = (now - req.arrival) * 1e3
-            tpot = (now - t_first) / (n_gen - 1) if n_gen > 1 else None
+            tpot = (now - t_first) / (n_gen - 1) if n_gen > 1 and t_first is not None else None
             if tpot is not None:
                 self._observe_outcome(req, route, None, tpot * 1e3)
             self.metrics.e2e.observe(total_ms / 1e3)
             self.metrics.prompt_tokens.inc(n_prompt)
             self.metrics.generation_tokens.inc(n_gen)
             telemetry.set_attrs(sp, telemetry.usage_attributes(
-                n_prompt, n_gen, cached_tokens=pre.num_cached_tokens, ttft_s=ttft_ms / 1e3,
+                n_prompt, n_gen, cached_tokens=cached,
+                ttft_s=ttft_ms / 1e3 if ttft_ms is not None else None,
                 tpot_s=tpot, e2e_s=total_ms / 1e3, finish_reason=reason))
             return GenChunk(ids, text, lps, reason, stop_reason,
                             usage={"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                                   "cached_tokens": pre.num_cached_tokens},
+                                   "cached_tokens": cached},
                             timings={**timings, "total_ms": total_ms})
 
-        # ---- first token (sampled by prefill)
-        first = pre.first_token_id
-        n_gen = 1
-        text, stop = detok.step([first]) if detok else ("", None)
-        lps = [pre.first_logprob] if params.logprobs is not None and pre.HasField("first_logprob") else []
-        reason = None
-        if stop is not None:
-            reason = "stop"
-        elif first in params.stop_token_ids or (first in self.eos_token_ids and not params.ignore_eos):
-            reason = "stop"
-        elif params.max_tokens <= 1 or n_prompt + 1 >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self._release(dec, req.request_id, ticket.transfer_id, "finished at the first token")
-            if detok and stop is None:
-                text += detok.flush()
-            yield finish_chunk([first], text, lps, reason, stop or "")
-            return
-        yield GenChunk([first], text, lps, timings={"ttft_ms": ttft_ms})
+        # ---- first token (sampled by prefill; prefilled here: it comes with the decode stream)
+        if pre is not None:
+            first_token_out()
+            first = pre.first_token_id
+            n_gen = 1
+            text, stop = detok.step([first]) if detok else ("", None)
+            lps = [pre.first_logprob] if params.logprobs is not None and pre.HasField("first_logprob") else []
+            reason = None
+            if stop is not None:
+                reason = "stop"
+            elif first in params.stop_token_ids or (first in self.eos_token_ids and not params.ignore_eos):
+                reason = "stop"
+            elif params.max_tokens <= 1 or n_prompt + 1 >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                self._release(dec, req.request_id, ticket.transfer_id, "finished at the first token")
+                if detok and stop is None:
+                    text += detok.flush()
+                yield finish_chunk([first], text, lps, reason, stop or "")
+                return
+            yield GenChunk([first], text, lps, timings={"ttft_ms": ttft_ms})
 
         # ---- the rest (decode stream)
         from protos import decode_pb2
@@ -409,16 +447,22 @@ class GatewayCore:
             with telemetry.span("decode.Decode", kind=telemetry.SpanKind.CLIENT,
                                 attributes={"splitserve.replica": dec.address}):
                 call = dec.stub.Decode(decode_pb2.DecodeRequest(
-                    request_id=req.request_id, transfer_id=ticket.transfer_id,
-                    prompt_token_ids=req.prompt_token_ids, first_token_id=first,
+                    request_id=req.request_id, transfer_id=ticket.transfer_id if ticket else "",
+                    prompt_token_ids=req.prompt_token_ids,
+                    first_token_id=pre.first_token_id if pre is not None else 0,
                     params=request_params_pb(params), detokenize=False,
-                    transfer_timeout_ms=self.transfer_timeout_ms),
+                    transfer_timeout_ms=self.transfer_timeout_ms, prefill_here=pre is None),
                     metadata=telemetry.inject_metadata())
                 t_last = time.monotonic()
                 async for resp in call:
                     ids = list(resp.token_ids)
                     now = time.monotonic()
-                    if ids:
+                    if ids and t_first is None:  # prefilled here: the first token
+                        first_token_out()
+                        if len(ids) > 1:
+                            gap = (now - t_last) / (len(ids) - 1)
+                            self.metrics.itl.observe(gap)
+                    elif ids:
                         gap = (now - t_last) / len(ids)
                         for _ in ids:
                             self.metrics.itl.observe(gap)
@@ -439,7 +483,8 @@ class GatewayCore:
                         yield finish_chunk(ids, text, lps, fr, resp.stop_reason)
                         return
                     if ids or text:
-                        yield GenChunk(ids, text, lps)
+                        yield GenChunk(ids, text, lps, timings={"ttft_ms": ttft_ms}
+                                       if n_gen == len(ids) and pre is None else None)
                 done = True
                 # stream ended without a finish reason: the decode side gave up silently
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE,
@@ -455,4 +500,5 @@ class GatewayCore:
             if call is not None and not call.done():
                 call.cancel()  # NOTE: cancelling the stream aborts the request downstream
             if not done:
-                self._abort(dec, req.request_id, ticket.transfer_id, "client went away")
+                self._abort(dec, req.request_id, ticket.transfer_id if ticket else "",
+                            "client went away")

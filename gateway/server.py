@@ -53,7 +53,8 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
                        max_model_len=meta["max_model_len"], vocab_size=meta["vocab_size"],
                        eos_token_ids=meta["eos_token_ids"], prefill=prefill, decode=decode,
                        admission=cfg.admission, metrics=metrics, info=meta["info"],
-                       transfer_timeout_ms=cfg.transfer_timeout_ms)
+                       transfer_timeout_ms=cfg.transfer_timeout_ms,
+                       prefill_on_decode=cfg.prefill_on_decode)
     core_ref.append(core)
     return core
 

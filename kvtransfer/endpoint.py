@@ -88,6 +88,11 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def device_id(ep: PairEndpoint) -> str:
+    """What LoadStats.device_id reports: equal for two replicas on one device."""
+    return f"cuda:{ep.device_uuid or ep.device}" if ep.device_type == "cuda" else f"cpu:{ep.host_id}"
+
+
 def pool_backend_for(device: str) -> str:
     """The pool backend for a KV cache on `device` ('cpu' -> shm, 'cuda:N' -> vmm)."""
     return "vmm" if device.startswith("cuda") else "shm"

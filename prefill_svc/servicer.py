@@ -23,6 +23,7 @@ from common.runtime import Rate
 from common.telemetry import inject_metadata, server_span, set_attrs, span
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import TransferError
+from kvtransfer.endpoint import device_id
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
@@ -40,6 +41,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._rate = Rate()
         self._prompt_tokens = 0
         self._releases: set[asyncio.Future] = set()  # success-path releases still queued
+        self.device_id = device_id(pusher.local)     # LoadStats.device_id
 
     def _check_ticket(self, t: common_pb2.TransferTicket) -> None:
         if not t.transfer_id or not t.decode_address:
@@ -162,7 +164,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Load(self, request, context):
         st = self.engine.stats()
-        return load_to_pb(st, tokens_per_s=int(self._rate.update(self._prompt_tokens)))
+        return load_to_pb(st, tokens_per_s=int(self._rate.update(self._prompt_tokens)),
+                          device_id=self.device_id)
 
 
 def _retrieve(task: asyncio.Task) -> None:

@@ -150,4 +150,4 @@ def test_cpu_run_fills_both_columns(tmp_path):
         assert r["load"]["messages/token"] > 0.9  # tokens seen one by one (gRPC, skip_text)
         assert r["load"]["itl_ms_p99"] >= r["load"]["itl_ms_median"] > 0
         assert r["lp_off"]["tpot_ms"] > 0 and r["lp_on"]["tpot_ms"] > 0
-    assert res["system"]["kv"]["bytes_per_request"] > 0 and res["system"]["kv"]["backend"] == "grpc"
+    assert res["system"]["kv"]["bytes_per_request"] > 0 and res["system"]["kv"]["backend"] == "shm"  # auto on one host
