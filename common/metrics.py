@@ -107,8 +107,8 @@ class ServiceMetrics:
             "splitserve_admission_prediction_abs_error_ratio", "Median absolute percentage error "
             "of the recent predictions (a fraction)", ["what"], registry=r)
         self.prediction_correction = Gauge(
-            "splitserve_admission_prediction_correction", "Calibration factor the raw prediction "
-            "is multiplied by", ["what"], registry=r)
+            "splitserve_admission_prediction_correction", "Calibration of the raw prediction: "
+            "corrected = offset_ms + scale * raw", ["what", "term"], registry=r)
         # --- prefix-aware routing (gateway; kind: prompt|predicted|cached tokens)
         self.routing_prefix_tokens = Counter(
             "splitserve_routing_prefix_tokens", "Prompt tokens routed to prefill, those the router "

@@ -125,10 +125,10 @@ class Decision:
 class OnlineLinear:
     """y = a + b*x by exponentially weighted least squares (each new sample multiplies the
     old weights by `decay`), starting from a prior line (a, b). The slope is shrunk toward
-    the prior's (ridge): data whose x spreads less than ~sqrt(ridge) of its mean cannot fix a
+    the prior's (ridge): data whose x spreads less than ~sqrt(ridge) (3%) of its mean cannot fix a
     slope, so then only the intercept fits; without data the prior line holds."""
 
-    def __init__(self, a: float, b: float, decay: float = 0.97, ridge: float = 0.01):
+    def __init__(self, a: float, b: float, decay: float = 0.97, ridge: float = 0.001):
         self.prior = (a, b)
         self.decay, self.ridge = decay, ridge
         self._s = [0.0] * 5  # sum w, wx, wy, wxx, wxy
@@ -226,7 +226,7 @@ class Predictor:
         if gap_ms > 0:
             # NOTE: one gap can hold a stall (a KV import, a new request joining): clip it so
             # a rare outlier moves the fit by a bounded amount
-            self.step_fit.add(batch, min(gap_ms, 4 * self.step_fit(batch)))
+            self.step_fit.add(batch, min(gap_ms, 2 * self.step_fit(batch)))
 
     # ---- predictions
     def prefill_ms(self, prefill: LoadView, num_tokens: int,
@@ -240,7 +240,7 @@ class Predictor:
             per_token = min(per_token, 1e3 / prefill.tokens_per_s)
         new = max(num_tokens - cached_tokens, 1)
         transfer = self.transfer_per_token.value * num_tokens
-        idle = max(a + new * per_token, 0.0) + transfer + self.cfg.overhead_ms
+        idle = max(a, 0.0) + new * per_token + transfer + self.cfg.overhead_ms
         # NOTE: a prompt the gateway sent is in inflight_tokens (live) and, once the replica
         # queued it, in the polled queued_tokens too: the larger of the two, not their sum
         # (queued_tokens alone can exceed it when other clients feed the replica)

@@ -4,6 +4,7 @@
     splitserve gateway|prefill|decode ...    one service (same flags as python -m <service>)
     splitserve generate "prompt"             stream a completion over gRPC
     splitserve chat                          interactive chat over gRPC
+    splitserve bench [--rate R ...]          serving benchmark against a running server
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SERVICES:
         return _exec_service(SERVICES[argv[0]], argv[1:])
+    if argv and argv[0] == "bench":
+        from splitserve_cli import bench
+
+        return bench.run(argv[1:])
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -38,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=f"run the {name} service alone")
     client.add_args(sub.add_parser("generate", help="stream one completion over gRPC"), chat=False)
     client.add_args(sub.add_parser("chat", help="interactive chat over gRPC"), chat=True)
+    sub.add_parser("bench", help="serving benchmark (bench/serve.py; `splitserve bench --help`)")
     a, extra = p.parse_known_args(argv)
     if a.cmd == "up":
         return up.run_up(a, extra)

@@ -26,13 +26,18 @@ def test_prediction_scales_with_queued_tokens_and_rate():
     assert p.predict(LoadView(tokens_per_s=10000.0), LoadView(), 100).ttft_ms == pytest.approx(10.0)
 
 
-def test_observed_prefill_rate_moves_the_estimate():
-    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0))
-    for _ in range(20):
-        p.observe_prefill(100, prefill_ms=1000.0)  # 100 tok/s measured
-    assert p.prefill_rate.value == pytest.approx(100.0, rel=0.01)
+def test_observed_prefill_times_move_the_estimate():
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0,
+                                  overhead_ms=0.0))
+    for n in (50, 100, 200, 400) * 10:  # measured: 20 ms fixed + 2 ms per token
+        p.observe_prefill(n, prefill_ms=20.0 + 2.0 * n)
+    a, b = p.prefill_fit.coef()
+    assert a == pytest.approx(20.0, rel=0.03) and b == pytest.approx(2.0, rel=0.03)
+    assert p.predict(LoadView(), LoadView(), 100).ttft_ms == pytest.approx(220.0, rel=0.03)
+    # queued tokens cost the per-token time, not the fixed part
+    assert p.predict(LoadView(queued_tokens=100), LoadView(), 100).ttft_ms == pytest.approx(420.0, rel=0.03)
     p.observe_prefill(100, prefill_ms=0.0)  # nonsense measurements are ignored
-    assert p.prefill_rate.value == pytest.approx(100.0, rel=0.01)
+    assert p.prefill_fit.coef()[1] == pytest.approx(2.0, rel=0.03)
 
 
 def test_tpot_grows_with_batch_and_kv_pressure():

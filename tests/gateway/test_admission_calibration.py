@@ -9,32 +9,48 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from gateway.admission import (AdmissionConfig, AdmissionQueue, Calibrator, Decision, LoadView,
-                               Prediction, Predictor, decide)
+                               OnlineLinear, Prediction, Predictor, decide)
 from gateway.types import GatewayError, GenRequest
 from tests.gateway.conftest import make_stack
 
 
-def test_calibrator_converges_to_the_observed_ratio_and_reports_error():
-    c = Calibrator(alpha=0.2)
-    assert c.factor == 1.0 and c.mape() is None
-    for _ in range(60):  # the raw model predicts 100 ms, reality is 150 ms
-        c.observe(100.0, 100.0 * c.factor, 150.0)
-    assert c.factor == pytest.approx(1.5, rel=1e-3)
-    assert c.errors[-1] < 0.01 and c.errors[0] == pytest.approx(1 / 3)
+def test_online_linear_fits_and_keeps_the_prior_slope_without_spread():
+    f = OnlineLinear(0.0, 1.0)
+    assert f(50) == pytest.approx(50.0)
+    for x in (10, 40, 80) * 30:
+        f.add(x, 30.0 + 0.5 * x)
+    a, b = f.coef()
+    assert a == pytest.approx(30.0, rel=0.02) and b == pytest.approx(0.5, rel=0.02)
+    g = OnlineLinear(0.0, 2.0)
+    for _ in range(60):  # every sample at one x: the slope cannot be fitted
+        g.add(4, 20.0)
+    assert g.coef()[1] == pytest.approx(2.0) and g(4) == pytest.approx(20.0)
+
+
+def test_calibrator_learns_a_scale_and_an_offset_and_reports_error():
+    c = Calibrator()
+    assert c.correct(100.0) == 100.0 and c.mape() is None
+    for raw in (50.0, 100.0, 200.0) * 30:  # reality: 40 ms more than 1.5 x the model
+        c.observe(raw, c.correct(raw), 40.0 + 1.5 * raw)
+    assert c.correct(100.0) == pytest.approx(190.0, rel=0.02)
+    off, scale = c.coef()
+    assert off == pytest.approx(40.0, rel=0.05) and scale == pytest.approx(1.5, rel=0.02)
+    assert c.errors[-1] < 0.02 and c.mape() < 0.05
     assert c.observe(0.0, 1.0, 1.0) is None and c.observe(1.0, 1.0, math.inf) is None
     big = Calibrator(max_factor=4.0)
-    big.observe(1.0, 1.0, 1000.0)
-    assert big.factor == pytest.approx(4.0)  # clamped
+    for _ in range(20):
+        big.observe(1.0, 1.0, 1000.0)
+    assert big.correct(1.0) == pytest.approx(4.0)  # clamped
 
 
 def test_predictor_applies_and_learns_the_correction():
     p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0,
                                   overhead_ms=0.0, decode_step_ms=10.0))
     first = p.predict(LoadView(), LoadView(), 100)
-    assert first.ttft_ms == pytest.approx(100.0) and first.ttft_factor == 1.0
-    for _ in range(40):  # everything takes twice as long as modelled
-        pr = p.predict(LoadView(), LoadView(), 100)
-        p.observe_outcome(pr, 200.0, 20.0)
+    assert first.ttft_ms == pytest.approx(100.0) and first.raw_ttft_ms == pytest.approx(100.0)
+    for q in (0, 100, 300) * 20:  # everything takes twice as long as modelled
+        pr = p.predict(LoadView(queued_tokens=q), LoadView(), 100)
+        p.observe_outcome(pr, 2 * pr.raw_ttft_ms, 20.0)
     pr = p.predict(LoadView(), LoadView(), 100)
     assert pr.ttft_ms == pytest.approx(200.0, rel=0.02) and pr.tpot_ms == pytest.approx(20.0, rel=0.02)
     assert pr.idle_ttft_ms == pytest.approx(200.0, rel=0.02)  # the idle case is corrected too
@@ -43,8 +59,20 @@ def test_predictor_applies_and_learns_the_correction():
     assert p.predict(LoadView(), LoadView(), 100, cached_tokens=96).cached_tokens == 96
     off = Predictor(AdmissionConfig(calibrate=False, prefill_tokens_per_s=1000.0,
                                     transfer_ms_per_token=0.0, overhead_ms=0.0))
-    off.ttft_cal.log_ratio = math.log(3.0)
+    for _ in range(20):
+        off.observe_outcome(off.predict(LoadView(), LoadView(), 100), 300.0, None)
     assert off.predict(LoadView(), LoadView(), 100).ttft_ms == pytest.approx(100.0)
+
+
+def test_decode_step_fit_by_batch_clips_stalls():
+    p = Predictor(AdmissionConfig(decode_step_ms=10.0))
+    for b in (1, 4, 8) * 30:
+        p.observe_decode_gap(50.0 + 10.0 * b, b)  # CPU-like: steps grow fast with the batch
+    assert p.tpot_ms(LoadView(running=0))[0] == pytest.approx(60.0, rel=0.02)
+    assert p.tpot_ms(LoadView(running=7))[0] == pytest.approx(130.0, rel=0.02)
+    before = p.tpot_ms(LoadView())[1]
+    p.observe_decode_gap(5000.0, 1)  # one stalled gap
+    assert p.tpot_ms(LoadView())[1] < 1.2 * before
 
 
 def test_in_flight_and_queued_tokens_are_not_counted_twice():
@@ -119,7 +147,7 @@ async def test_core_learns_from_outcomes_and_rejects_early_once_calibrated():
         body = core.metrics.render()[0].decode()
         assert 'splitserve_admission_prediction_ratio_count{what="ttft"} 6.0' in body
         assert 'splitserve_admission_prediction_abs_error_ratio{what="tpot"}' in body
-        assert 'splitserve_admission_prediction_correction{what="ttft"}' in body
+        assert 'splitserve_admission_prediction_correction{term="scale",what="ttft"}' in body
         # a backlog far beyond the SLO: rejected at once, with the drain time as Retry-After
         core.prefill.replicas[0].load.queued_tokens = 1_000_000
         t0 = time.monotonic()
