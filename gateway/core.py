@@ -183,9 +183,9 @@ class GatewayCore:
 
     def _decode_here(self, route: Route) -> Replica | None:
         """The decode replica that prefills this request itself, or None (split). --prefill-on-
-        decode auto: when the prefill replica admission chose shares the decode replica's GPU:
-        two processes time-share it, so a handoff saves nothing, and the decode engine folds
-        the prompt into steps it runs anyway (decode rows ride along a prefill chunk)."""
+        decode auto: when the prefill replica admission chose shares the decode replica's GPU
+        (the two processes time-share it; the decode engine folds the prompt into its own
+        steps instead of a handoff)."""
         mode = self.prefill_on_decode
         if mode == "never":
             return None
