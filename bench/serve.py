@@ -146,7 +146,9 @@ def gateway_delta(before: dict, after: dict) -> dict:
             d(f'splitserve_admission_prediction_ratio_sum{{what="{w}"}}') / n if n else None)
         g[f"{w}_prediction_abs_error_median"] = after.get(
             f'splitserve_admission_prediction_abs_error_ratio{{what="{w}"}}')
-        g[f"{w}_correction"] = after.get(f'splitserve_admission_prediction_correction{{what="{w}"}}')
+        for term in ("scale", "offset_ms"):
+            g[f"{w}_correction_{term}"] = after.get(
+                f'splitserve_admission_prediction_correction{{term="{term}",what="{w}"}}')
     pt = d('splitserve_routing_prefix_tokens_total{kind="prompt"}')
     g["routed_prefix_hit_rate"] = d('splitserve_routing_prefix_tokens_total{kind="cached"}') / pt if pt else None
     return g

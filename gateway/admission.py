@@ -13,7 +13,9 @@ Calibration: each admitted request's prediction is compared with what it then go
 the admit decision to its first token, TPOT over its whole stream). A `Calibrator` per quantity
 fits observed = a + b * raw prediction the same way and corrects later predictions with it
 (within a factor of 4), so a model off by a factor or by a fixed delay stops being off; it
-also keeps the recent absolute percentage errors (exported as metrics).
+also keeps the recent absolute percentage errors (exported as metrics). Decisions use the
+corrected estimate times a headroom: the 75th percentile of recent observed / estimated
+ratios (>= 1), so the admitted requests meet their SLO, not just half of them.
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
 at all means "admit whenever there is room"):
@@ -90,6 +92,10 @@ class AdmissionConfig:
     # has been checked against calibration_min_samples outcomes (until then it queues)
     early_reject_slack: float | None = 0.25
     calibrate: bool = True  # online correction of the predictions (see Calibrator)
+    # admission decides on the corrected estimate times this quantile of the recent
+    # observed / estimated ratios (in [1, 2]; None: the estimate alone), so an estimate that
+    # is right on average does not admit the requests it is too low for
+    headroom_quantile: float | None = 0.75
     calibration_min_samples: int = 16
 
     def __post_init__(self):
@@ -112,6 +118,8 @@ class Prediction:
     cached_tokens: int = 0  # prompt tokens expected from the replica's prefix cache
     raw_ttft_ms: float | None = None  # the model before calibration (None: same)
     raw_tpot_ms: float | None = None
+    est_ttft_ms: float | None = None  # the calibrated estimate before headroom (None: same)
+    est_tpot_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,15 @@ class Calibrator:
         self.fit: OnlineLinear | None = None
         self.samples = 0
         self.errors: deque[float] = deque(maxlen=window)
+        self.ratios: deque[float] = deque(maxlen=64)  # observed / estimate, recent
+
+    def headroom(self, q: float | None, cap: float = 2.0) -> float:
+        """Quantile q of the recent observed / estimated ratios, within [1, cap] (1 with
+        fewer than 8 samples or q None)."""
+        if q is None or len(self.ratios) < 8:
+            return 1.0
+        xs = sorted(self.ratios)
+        return min(max(xs[min(int(q * len(xs)), len(xs) - 1)], 1.0), cap)
 
     def correct(self, raw_ms: float) -> float:
         if self.fit is None:
@@ -183,6 +200,7 @@ class Calibrator:
         self.samples += 1
         err = abs(used_ms - observed_ms) / observed_ms
         self.errors.append(err)
+        self.ratios.append(observed_ms / used_ms)
         return err
 
     def coef(self) -> tuple[float, float]:
@@ -268,8 +286,10 @@ class Predictor:
         if not self.cfg.calibrate:
             return Prediction(ttft, tpot, idle_ttft, idle_tpot, full, cached_tokens, ttft, tpot)
         ct, cp = self.ttft_cal.correct, self.tpot_cal.correct
-        return Prediction(ct(ttft), cp(tpot), ct(idle_ttft), cp(idle_tpot), full, cached_tokens,
-                          ttft, tpot)
+        et, ep = ct(ttft), cp(tpot)
+        q = self.cfg.headroom_quantile
+        return Prediction(et * self.ttft_cal.headroom(q), ep * self.tpot_cal.headroom(q),
+                          ct(idle_ttft), cp(idle_tpot), full, cached_tokens, ttft, tpot, et, ep)
 
     def early_reject_slack(self) -> float | None:
         """The slack decide() may reject early with: none before the TTFT predictor is
@@ -284,11 +304,13 @@ class Predictor:
         percentage errors (None where there was nothing to compare)."""
         et = ep = None
         if ttft_ms is not None:
-            raw = pred.raw_ttft_ms if pred.raw_ttft_ms is not None else pred.ttft_ms
-            et = self.ttft_cal.observe(raw, pred.ttft_ms, ttft_ms)
+            est = pred.est_ttft_ms if pred.est_ttft_ms is not None else pred.ttft_ms
+            raw = pred.raw_ttft_ms if pred.raw_ttft_ms is not None else est
+            et = self.ttft_cal.observe(raw, est, ttft_ms)
         if tpot_ms is not None:
-            raw = pred.raw_tpot_ms if pred.raw_tpot_ms is not None else pred.tpot_ms
-            ep = self.tpot_cal.observe(raw, pred.tpot_ms, tpot_ms)
+            est = pred.est_tpot_ms if pred.est_tpot_ms is not None else pred.tpot_ms
+            raw = pred.raw_tpot_ms if pred.raw_tpot_ms is not None else est
+            ep = self.tpot_cal.observe(raw, est, tpot_ms)
         return et, ep
 
 

@@ -116,8 +116,19 @@ class GatewayCore:
         route.prefill, route.cached = p, cached[p.address]
         pred = self.predictor.predict(p.load, d.load, n, route.cached)
         ttft, tpot = self._slos(req)
-        return decide(pred, ttft, tpot, waited_ms, self.admission_cfg.max_queue_ms,
-                      self.predictor.early_reject_slack())
+        cfg = self.admission_cfg
+        dec = decide(pred, ttft, tpot, waited_ms, cfg.max_queue_ms, self.predictor.early_reject_slack())
+        # one more sequence slows every running one: the tightest TPOT SLO there must hold too
+        # (waiting helps: running requests finish)
+        if dec.kind == "admit" and d.tpot_slos and pred.tpot_ms > min(d.tpot_slos):
+            what = (f"predicted TPOT {pred.tpot_ms:.1f} ms would slow a running request past its "
+                    f"tpot_ms={min(d.tpot_slos):g}")
+            budget = min(cfg.max_queue_ms, ttft - pred.idle_ttft_ms if ttft is not None else math.inf)
+            if waited_ms >= budget:
+                return Decision("reject", what + f" (queued {waited_ms:.0f} ms, no more time left)",
+                                pred, retry_after_s=1.0)
+            return Decision("queue", what, pred, retry_after_s=1.0)
+        return dec
 
     async def admit(self, req: GenRequest, route: Route | None = None) -> Decision:
         """Admit (route filled in, the prompt counted in its prefill replica's in-flight
@@ -169,8 +180,10 @@ class GatewayCore:
             return
         et, ep = self.predictor.observe_outcome(pred, ttft_ms, tpot_ms)
         m = self.metrics
-        for what, err, got, want, cal in (("ttft", et, ttft_ms, pred.ttft_ms, self.predictor.ttft_cal),
-                                          ("tpot", ep, tpot_ms, pred.tpot_ms, self.predictor.tpot_cal)):
+        est_t = pred.est_ttft_ms if pred.est_ttft_ms is not None else pred.ttft_ms
+        est_p = pred.est_tpot_ms if pred.est_tpot_ms is not None else pred.tpot_ms
+        for what, err, got, want, cal in (("ttft", et, ttft_ms, est_t, self.predictor.ttft_cal),
+                                          ("tpot", ep, tpot_ms, est_p, self.predictor.tpot_cal)):
             if err is None:
                 continue
             m.prediction_ratio.labels(what=what).observe(got / want)
@@ -337,12 +350,13 @@ class GatewayCore:
         outcome = "error"
         self.num_active += 1
         self.metrics.running.inc()
+        route = Route()
         try:
             with telemetry.span("gateway.generate", kind=telemetry.SpanKind.SERVER, context=ctx,
                                 attributes={**telemetry.request_attributes(
                                     self.model_name, req.params, req.operation),
                                     "splitserve.request_id": req.request_id}) as sp:
-                async for chunk in self._generate(req, sp):
+                async for chunk in self._generate(req, sp, route):
                     if chunk.finish_reason:
                         outcome = chunk.finish_reason
                     q.put_nowait(chunk)
@@ -356,14 +370,16 @@ class GatewayCore:
             log.exception("request %s failed", req.request_id)
             q.put_nowait(GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
+            route.release_decode()
             q.put_nowait(_END)
             self.num_active -= 1
             self.metrics.running.dec()
             self.metrics.requests.labels(outcome=outcome).inc()
             self.queue.notify()
 
-    async def _generate(self, req: GenRequest, sp) -> AsyncIterator[GenChunk]:
-        route = Route()
+    async def _generate(self, req: GenRequest, sp, route: Route | None = None
+                        ) -> AsyncIterator[GenChunk]:
+        route = route if route is not None else Route()
         await self.admit(req, route)  # raises RESOURCE_EXHAUSTED when rejected
         t_admitted = time.monotonic()
         dec = self._decode_here(route)  # prefill on the decode replica itself (or None: split)
@@ -373,6 +389,7 @@ class GatewayCore:
                 dec, ticket, pre = await self._prefill(req, route)
         finally:
             route.settle()
+        route.hold_decode(dec, self._slos(req)[1])
         if pre is not None:
             pt = pre.timings
             self.predictor.observe_prefill(len(req.prompt_token_ids) - pre.num_cached_tokens,

@@ -43,6 +43,7 @@ class Replica:
     healthy: bool = True
     last_poll: float = 0.0
     last_error: str = ""
+    tpot_slos: list[float] = field(default_factory=list)  # decode: of the requests it runs
 
     def add_inflight(self, tokens: int) -> None:
         self.load.inflight_tokens += tokens
@@ -64,18 +65,31 @@ class Route:
     """What admission chose for one request: its prefill replica (holding `inflight` of the
     replica's in-flight tokens from the admit decision until its Prefill call ends), the
     prompt tokens expected from that replica's prefix cache, and the prediction it was
-    admitted on."""
+    admitted on; and its decode replica, whose `tpot_slos` hold its TPOT SLO while it runs
+    there (admission keeps later requests from slowing it past that)."""
     hashes: list[int] | None = None
     prefill: Replica | None = None
     cached: int = 0
     inflight: int = 0
     prediction: Prediction | None = None
     t_decided: float = 0.0
+    decode: Replica | None = None
+    tpot_slo: float | None = None
 
     def settle(self) -> None:
         if self.prefill is not None and self.inflight:
             self.prefill.done_inflight(self.inflight)
             self.inflight = 0
+
+    def hold_decode(self, decode: Replica, tpot_slo: float | None) -> None:
+        if tpot_slo is not None and self.decode is None:
+            self.decode, self.tpot_slo = decode, tpot_slo
+            decode.tpot_slos.append(tpot_slo)
+
+    def release_decode(self) -> None:
+        if self.decode is not None:
+            self.decode.tpot_slos.remove(self.tpot_slo)
+            self.decode = None
 
 
 def load_view_from_pb(pb, keep: LoadView | None = None) -> LoadView:

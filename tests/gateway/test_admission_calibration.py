@@ -160,3 +160,43 @@ async def test_core_learns_from_outcomes_and_rejects_early_once_calibrated():
         assert core.prefill.replicas[0].load.inflight_tokens == 0  # nothing left counted
     finally:
         await s.close()
+
+
+def test_decisions_keep_headroom_for_the_estimates_that_come_out_low():
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0,
+                                  overhead_ms=0.0))
+    c = Calibrator()
+    assert c.headroom(0.75) == 1.0  # too few samples
+    for i in range(40):  # right on average, a quarter of them 1.6 x too low
+        pr = p.predict(LoadView(), LoadView(), 100)
+        p.observe_outcome(pr, pr.est_ttft_ms * (1.6 if i % 4 == 0 else 0.8), None)
+    pr = p.predict(LoadView(), LoadView(), 100)
+    assert pr.ttft_ms > pr.est_ttft_ms and pr.ttft_ms == pytest.approx(pr.est_ttft_ms * 1.6)
+    assert pr.idle_ttft_ms <= pr.est_ttft_ms  # the idle case (reject at once) gets none
+    off = Predictor(AdmissionConfig(headroom_quantile=None))
+    for _ in range(20):
+        off.observe_outcome(off.predict(LoadView(), LoadView(), 100), 1e4, None)
+    pr = off.predict(LoadView(), LoadView(), 100)
+    assert pr.ttft_ms == pr.est_ttft_ms
+
+
+async def test_a_new_request_may_not_slow_a_running_one_past_its_tpot_slo():
+    s = await make_stack()
+    try:
+        core = s.core
+        d = core.decode.replicas[0]
+        r = GenRequest(core.new_request_id(), core.tokenizer.encode("abc"), SamplingParams())
+        assert core._decide(r, 0.0).kind == "admit"  # no SLO anywhere
+        d.tpot_slos.append(5.0)  # someone running there needs 5 ms per token; steps take ~20
+        dd = core._decide(r, 0.0)
+        assert dd.kind == "queue" and "tpot_ms=5" in dd.reason
+        d.tpot_slos.clear()
+        # a request's own TPOT SLO is held on its decode replica while it runs, then dropped
+        r2 = GenRequest(core.new_request_id(), core.tokenizer.encode("abc"),
+                        SamplingParams(temperature=0.0, max_tokens=3), tpot_slo_ms=900.0)
+        seen = []
+        async for _ in core.generate(r2):
+            seen.append(list(d.tpot_slos))
+        assert [900.0] in seen and d.tpot_slos == []
+    finally:
+        await s.close()
