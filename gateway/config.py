@@ -25,7 +25,7 @@ class GatewayConfig:
     prefill: tuple[str, ...] = (DEFAULT_PREFILL,)
     decode: tuple[str, ...] = (DEFAULT_DECODE,)
     poll_interval_s: float = 0.5
-    default_max_tokens: int = 16
+    default_max_tokens: int | None = None  # None: until an end token or the end of the context
     max_body_bytes: int = 1 << 20
     transfer_timeout_ms: int = 30000
     prefill_on_decode: str = "never"  # never | auto (decode and prefill share a GPU) | always
@@ -45,7 +45,7 @@ class GatewayConfig:
                 raise ValueError(f"replica address {a!r} must be host:port")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be > 0")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
 
 
@@ -70,7 +70,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", default=None,
                    help=f"decode replica host:port (repeat or comma-separate; default {DEFAULT_DECODE})")
     p.add_argument("--poll-interval", type=float, default=0.5, help="Load poll period, seconds")
-    p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of requests that give none (default: until an end token or "
+                        "the end of the context, as vLLM)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--default-ttft-ms", type=float, default=env_float("SPLITSERVE_DEFAULT_TTFT_MS"),
                    help="TTFT SLO for requests that give none (default: none)")

@@ -31,7 +31,7 @@ def chat_to_ids(core: GatewayCore, msgs_pb) -> list[int]:
     return core.tokenizer.encode(text, add_special_tokens=False)
 
 
-def request_from_pb(core: GatewayCore, pb, default_max_tokens: int) -> GenRequest:
+def request_from_pb(core: GatewayCore, pb, default_max_tokens: int | None) -> GenRequest:
     which = pb.WhichOneof("input")
     if which is None:
         raise invalid("one of prompt, messages or token_ids is required", param="input")
@@ -46,9 +46,10 @@ def request_from_pb(core: GatewayCore, pb, default_max_tokens: int) -> GenReques
         ids, op = chat_to_ids(core, pb.messages), "chat"
     else:
         ids, op = list(pb.token_ids.ids), "text_completion"
+    # unset: the gateway's default, else until an end token or the end of the context
+    max_tokens = pb.max_tokens or default_max_tokens or max(1, core.max_model_len - len(ids))
     params = sampling_from_pb(pb.sampling if pb.HasField("sampling") else None,
-                              pb.max_tokens or default_max_tokens, pb.stop, pb.stop_token_ids,
-                              pb.ignore_eos)
+                              max_tokens, pb.stop, pb.stop_token_ids, pb.ignore_eos)
     slo = pb.slo if pb.HasField("slo") else None
     return GenRequest(
         request_id=pb.request_id or core.new_request_id(), prompt_token_ids=ids, params=params,
@@ -76,7 +77,7 @@ async def abort_with(context, e: GatewayError):
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, core: GatewayCore, default_max_tokens: int = 16):
+    def __init__(self, core: GatewayCore, default_max_tokens: int | None = None):
         self.core = core
         self.default_max_tokens = default_max_tokens
 
@@ -115,6 +116,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             kv_cache_dtype=i.get("kv_cache_dtype", ""))
 
 
-def add_to_server(server, core: GatewayCore, default_max_tokens: int) -> None:
+def add_to_server(server, core: GatewayCore, default_max_tokens: int | None) -> None:
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core, default_max_tokens),
                                                       server)

@@ -1,9 +1,18 @@
 """OpenAI-compatible request parsing/validation (-> GenRequest) and response shaping.
 
 Validation is done by hand, not by pydantic, so every error is a 400 whose message names the
-field and what was wrong with it (OpenAI error shape: {"error": {"message", "type", "param"}}).
+field and what was wrong with it (OpenAI error shape: {"error": {"message", "type", "param"}});
+a model that is not served is a 404 with code "model_not_found", as OpenAI answers.
 Extensions accepted in the body: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, priority, ttft_ms, tpot_ms (per-request SLOs; also as "slo": {...}).
+A request without max_tokens generates until an end token or the end of the context (as vLLM),
+unless the gateway was given --default-max-tokens. Fields whose meaning this server cannot honour
+(n > 1, response_format json_object / json_schema, logit_bias, tools, vLLM's guided_*) are a 400
+naming the field, never silently ignored.
+
+/tokenize and /detokenize take vLLM's bodies: {"prompt"} or {"messages"} (+ add_special_tokens,
+add_generation_prompt, return_token_strs) -> {"count", "max_model_len", "tokens", "token_strs"};
+{"tokens"} -> {"prompt"}.
 """
 from __future__ import annotations
 
@@ -11,11 +20,27 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import grpc
+
 from gateway.convert import make_sampling_params
-from gateway.types import GenChunk, GenRequest, invalid
+from gateway.types import GatewayError, GenChunk, GenRequest, invalid
 
 _NUM = (int, float)
-_UNSUPPORTED = {"suffix": None, "echo": False, "best_of": 1, "tools": None, "functions": None}
+# field -> the one value that means "not used" (empty values are accepted as well)
+_UNSUPPORTED = {"suffix": None, "echo": False, "best_of": 1, "tools": None, "functions": None,
+                "logit_bias": None, "guided_json": None, "guided_regex": None,
+                "guided_choice": None, "guided_grammar": None, "structured_outputs": None}
+
+
+class ModelNotFound(GatewayError):
+    """404 with OpenAI's error type and code for a model that is not served."""
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_found"
+
+    def __init__(self, model: str, served: list[str]):
+        super().__init__(grpc.StatusCode.NOT_FOUND,
+                         f"The model `{model}` does not exist. Served here: {', '.join(served)}",
+                         param="model")
 
 
 @dataclass
@@ -73,28 +98,50 @@ def _int_list(v, key: str) -> list[int]:
     return v
 
 
-def check_model(body: dict, served: list[str]) -> str:
+def check_model(body: dict, served: list[str], required: bool = True) -> str | None:
     model = _get(body, "model", str)
     if model is None:
+        if not required:
+            return None
         raise invalid("'model' is required", param="model")
     if model not in served:
-        raise invalid(f"model '{model}' is not served here; available: {', '.join(served)}",
-                      param="model")
+        raise ModelNotFound(model, served)
     return model
 
 
-def _common(body: dict, core, default_max_tokens: int, max_tokens_key: str, logprobs: int | None):
+def _response_format(body: dict) -> None:
+    rf = _get(body, "response_format", dict, None)
+    if rf is None:
+        return
+    kind = rf.get("type")
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise invalid(f"response_format {kind!r} is not supported: this server has no constrained "
+                      f"decoding, so the output would not be guaranteed JSON (leave "
+                      f"response_format out, or use type 'text')", param="response_format")
+    raise invalid(f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                  f"{kind!r}", param="response_format")
+
+
+def _common(body: dict, core, default_max_tokens: int | None, max_tokens_key: str,
+            logprobs: int | None, n_prompt: int):
+    """Sampling and service fields. max_tokens unset: default_max_tokens, or (None) the rest of
+    the context after the prompt's n_prompt tokens."""
     for k, ok in _UNSUPPORTED.items():
-        if k in body and body[k] not in (None, ok, [], ""):
+        if k in body and body[k] not in (None, ok, [], "", {}):
             raise invalid(f"'{k}' is not supported", param=k)
     n = _get(body, "n", int, 1)
     if n != 1:
         raise invalid(f"'n' must be 1 (got {n}); only one choice per request is supported", param="n")
+    _response_format(body)
     max_tokens = _get(body, max_tokens_key, int, None)
     if max_tokens is None and max_tokens_key != "max_tokens":
         max_tokens = _get(body, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = default_max_tokens or max(1, core.max_model_len - n_prompt)
     kw = dict(
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=_get(body, "temperature", _NUM, 1.0), top_p=_get(body, "top_p", _NUM, 1.0),
         top_k=_get(body, "top_k", int, 0), min_p=_get(body, "min_p", _NUM, 0.0),
         repetition_penalty=_get(body, "repetition_penalty", _NUM, 1.0),
@@ -121,7 +168,7 @@ def _common(body: dict, core, default_max_tokens: int, max_tokens_key: str, logp
     return params, ttft, tpot, _get(body, "priority", int, 0), stream, include_usage, rid
 
 
-def parse_completion(body, core, served: list[str], default_max_tokens: int) -> ParsedRequest:
+def parse_completion(body, core, served: list[str], default_max_tokens: int | None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
     check_model(body, served)
@@ -147,9 +194,9 @@ def parse_completion(body, core, served: list[str], default_max_tokens: int) -> 
     lp = _get(body, "logprobs", int, None)
     if lp is not None and not 0 <= lp <= 5:
         raise invalid(f"'logprobs' must be in [0, 5], got {lp}", param="logprobs")
-    params, ttft, tpot, prio, stream, inc, rid = _common(body, core, default_max_tokens,
-                                                         "max_tokens", lp)
     core.check_prompt(ids)
+    params, ttft, tpot, prio, stream, inc, rid = _common(body, core, default_max_tokens,
+                                                         "max_tokens", lp, len(ids))
     gen = GenRequest(rid, ids, params, ttft, tpot, prio, operation="text_completion")
     return ParsedRequest(gen, stream, inc, "completion", lp)
 
@@ -173,10 +220,7 @@ def _content(m: dict, i: int) -> str:
                   f"{_type_name(c)}", param="messages")
 
 
-def parse_chat(body, core, served: list[str], default_max_tokens: int) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
-    check_model(body, served)
+def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("'messages' must be a non-empty array", param="messages")
@@ -188,6 +232,23 @@ def parse_chat(body, core, served: list[str], default_max_tokens: int) -> Parsed
             raise invalid(f"messages[{i}].role {m['role']!r} is not one of system, user, "
                           f"assistant, tool, developer", param="messages")
         messages.append({"role": m["role"], "content": _content(m, i)})
+    return messages
+
+
+def _chat_text(core, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    if core.tokenizer is None:
+        raise invalid("this model has no tokenizer: use /v1/completions with token ids")
+    try:
+        return core.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise invalid(f"messages: {e}", param="messages") from None
+
+
+def parse_chat(body, core, served: list[str], default_max_tokens: int | None) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
+    check_model(body, served)
+    messages = _messages(body)
     if core.tokenizer is None:
         raise invalid("this model has no tokenizer: use /v1/completions with token ids")
     want_lp = _get(body, "logprobs", bool, False)
@@ -197,16 +258,49 @@ def parse_chat(body, core, served: list[str], default_max_tokens: int) -> Parsed
     if top is not None and not want_lp:
         raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     lp = (top or 0) if want_lp else None
-    params, ttft, tpot, prio, stream, inc, rid = _common(body, core, default_max_tokens,
-                                                         "max_completion_tokens", lp)
-    try:
-        text = core.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as e:
-        raise invalid(f"messages: {e}", param="messages") from None
-    ids = core.tokenizer.encode(text, add_special_tokens=False)
+    ids = core.tokenizer.encode(_chat_text(core, messages), add_special_tokens=False)
     core.check_prompt(ids)
+    params, ttft, tpot, prio, stream, inc, rid = _common(body, core, default_max_tokens,
+                                                         "max_completion_tokens", lp, len(ids))
     gen = GenRequest(rid, ids, params, ttft, tpot, prio, operation="chat")
     return ParsedRequest(gen, stream, inc, "chat", lp)
+
+
+# ---- /tokenize, /detokenize (vLLM's bodies) --------------------------------------------------
+
+def tokenize(body, core, served: list[str]) -> dict:
+    if not isinstance(body, dict):
+        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
+    check_model(body, served, required=False)
+    if core.tokenizer is None:
+        raise invalid("this model has no tokenizer")
+    if body.get("messages") is not None:
+        text = _chat_text(core, _messages(body),
+                          _get(body, "add_generation_prompt", bool, True))
+        ids = core.tokenizer.encode(text, add_special_tokens=_get(body, "add_special_tokens", bool, False))
+    elif body.get("prompt") is not None:
+        ids = core.tokenizer.encode(_get(body, "prompt", str),
+                                    add_special_tokens=_get(body, "add_special_tokens", bool, True))
+    else:
+        raise invalid("one of 'prompt' or 'messages' is required", param="prompt")
+    strs = ([core.tokenizer.tk.id_to_token(i) for i in ids]
+            if _get(body, "return_token_strs", bool, False) else None)
+    return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body, core, served: list[str]) -> dict:
+    if not isinstance(body, dict):
+        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
+    check_model(body, served, required=False)
+    if core.tokenizer is None:
+        raise invalid("this model has no tokenizer")
+    if "tokens" not in body:
+        raise invalid("'tokens' is required", param="tokens")
+    ids = _int_list(body["tokens"], "tokens")
+    bad = next((t for t in ids if not 0 <= t < core.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is out of range [0, {core.vocab_size})", param="tokens")
+    return {"prompt": core.tokenizer.decode(ids, skip_special_tokens=False)}
 
 
 # ---- responses --------------------------------------------------------------------------------

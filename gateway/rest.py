@@ -1,5 +1,6 @@
 """REST bridge (FastAPI): OpenAI-compatible /v1/completions, /v1/chat/completions (SSE stream
-or one JSON), /v1/models, /health, /metrics. A thin translation onto GatewayCore.generate.
+or one JSON), /v1/models, vLLM's /tokenize and /detokenize, /health, /metrics. A thin
+translation onto GatewayCore.generate (request bodies and errors: openai_api.py).
 
 SSE framing: each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`.
 An error after the stream started is sent as one `data: {"error": ...}` event before [DONE]
@@ -32,8 +33,9 @@ def sse(obj) -> bytes:
 
 def error_body(e: GatewayError) -> dict:
     status = e.http_status
-    return {"error": {"message": e.message, "type": _ERR_TYPE.get(status, "server_error"),
-                      "param": e.param, "code": e.code.name.lower()}}
+    etype = getattr(e, "openai_type", None) or _ERR_TYPE.get(status, "server_error")
+    code = getattr(e, "openai_code", None) or e.code.name.lower()
+    return {"error": {"message": e.message, "type": etype, "param": e.param, "code": code}}
 
 
 def error_response(e: GatewayError) -> JSONResponse:
@@ -60,8 +62,10 @@ async def read_json(request: Request, max_body_bytes: int):
         raise invalid(f"request body is not valid JSON: {e}") from None
 
 
-def build_app(core: GatewayCore, *, default_max_tokens: int = 16,
+def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
               max_body_bytes: int = 1 << 20) -> FastAPI:
+    """default_max_tokens: for requests without max_tokens; None = until an end token or the
+    end of the context."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
     served = [core.model_name]
 
@@ -89,6 +93,14 @@ def build_app(core: GatewayCore, *, default_max_tokens: int = 16,
         return {"object": "list", "data": [
             {"id": m, "object": "model", "created": 0, "owned_by": "splitserve",
              "max_model_len": core.max_model_len} for m in served]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return oa.tokenize(await read_json(request, max_body_bytes), core, served)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return oa.detokenize(await read_json(request, max_body_bytes), core, served)
 
     async def handle(request: Request, kind: str):
         body = await read_json(request, max_body_bytes)

@@ -133,9 +133,9 @@ def test_openai_client(services):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert streamed == cr.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 6
-    with pytest.raises(openai.BadRequestError) as ei:
+    with pytest.raises(openai.NotFoundError) as ei:
         c.chat.completions.create(model="no-such-model", messages=msgs)
-    assert "no-such-model" in str(ei.value)
+    assert "no-such-model" in str(ei.value) and ei.value.code == "model_not_found"
 
 
 async def test_one_trace_across_three_processes(services, stub, receiver):
@@ -196,10 +196,11 @@ async def test_bad_inputs_then_still_serving(services, stub):
                              ({"model": MODEL, "prompt": list(range(300))}, "too long"),
                              ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
                              ({"model": MODEL, "prompt": "x", "max_tokens": "lots"}, "max_tokens"),
-                             ({"model": "gpt-17", "prompt": "x"}, "gpt-17"),
                              ({"model": MODEL, "prompt": [1, 2, 99999]}, "out of range")]:
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+        r = await c.post("/v1/completions", json={"model": "gpt-17", "prompt": "x"})
+        assert r.status_code == 404 and "gpt-17" in r.json()["error"]["message"], r.text
         r = await c.post("/v1/completions", content=b"x" * (2 << 20),
                          headers={"content-type": "application/json"})
         assert r.status_code == 400 and "too large" in r.text
