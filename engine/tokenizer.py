@@ -120,6 +120,26 @@ class Tokenizer:
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids, params)
 
+    # ---- export ---------------------------------------------------------------------------
+    def save_hf_dir(self, path: str, model_max_length: int | None = None) -> list[str]:
+        """Write this tokenizer as a HF tokenizer directory (tokenizer.json, tokenizer_config.json
+        with the chat template, special_tokens_map.json) that transformers' AutoTokenizer and
+        the tools built on it load. -> the file names written."""
+        os.makedirs(path, exist_ok=True)
+        self.tk.save(os.path.join(path, "tokenizer.json"))
+        special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                     ("pad_token", self.eos_token)) if v is not None}
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+               "clean_up_tokenization_spaces": False,
+               "chat_template": self.chat_template or DEFAULT_CHAT_TEMPLATE}
+        if model_max_length is not None:
+            cfg["model_max_length"] = int(model_max_length)
+        for name, obj in (("tokenizer_config.json", cfg), ("special_tokens_map.json", special)):
+            with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+        return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
 
 def _byte_order() -> dict[str, int]:
     # GPT-2 bytes_to_unicode: printable bytes map to themselves, the rest to 256 + n

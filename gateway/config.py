@@ -59,7 +59,10 @@ def _addrs(v: list[str] | None, default: str) -> tuple[str, ...]:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=env_str("SPLITSERVE_MODEL", "default"),
                    help="same model spec as the services (only its tokenizer is loaded here)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients send as \"model\" (default: the model's own name: "
+                        "SmolLM2-135M-Instruct for 'default', the HF directory's or .gguf file's "
+                        "name, dummy-<shape>)")
     p.add_argument("--max-model-len", type=int, default=env_int("SPLITSERVE_MAX_MODEL_LEN"))
     p.add_argument("--host", default=env_str("SPLITSERVE_HOST", "127.0.0.1"))
     p.add_argument("--port", "--grpc-port", dest="grpc_port", type=int, default=50051,

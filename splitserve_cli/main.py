@@ -5,6 +5,7 @@
     splitserve generate "prompt"             stream a completion over gRPC
     splitserve chat                          interactive chat over gRPC
     splitserve bench [--rate R ...]          serving benchmark against a running server
+    splitserve tokenizer export [DIR]        the served model's tokenizer as a HF tokenizer dir
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    from splitserve_cli import client, up
+    from splitserve_cli import client, tokenizer_cmd, up
 
     up.add_args(sub.add_parser("up", help="run prefill, decode and gateway together "
                                "(unknown flags are forwarded to prefill and decode)"))
@@ -44,11 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     client.add_args(sub.add_parser("generate", help="stream one completion over gRPC"), chat=False)
     client.add_args(sub.add_parser("chat", help="interactive chat over gRPC"), chat=True)
     sub.add_parser("bench", help="serving benchmark (bench/serve.py; `splitserve bench --help`)")
+    tokenizer_cmd.add_args(sub.add_parser("tokenizer", help="export the served model's tokenizer "
+                                          "(HF tokenizer directory for tools)"))
     a, extra = p.parse_known_args(argv)
     if a.cmd == "up":
         return up.run_up(a, extra)
     if extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if a.cmd == "tokenizer":
+        return tokenizer_cmd.run(a)
     return client.run_client(a, chat=a.cmd == "chat")
 
 

@@ -169,6 +169,48 @@ def placement(a: argparse.Namespace, engine_args: list[str], cuda_count: int | N
     return extra, backend
 
 
+def _connect_host(host: str) -> str:
+    """The address a local client dials for a bind address (a wildcard is not dialable)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def served_model_name(grpc_addr: str) -> str | None:
+    """The name clients must send as "model", from the gateway's ModelInfo (None if it fails)."""
+    try:
+        import grpc
+
+        from protos import generate_pb2, generate_pb2_grpc
+
+        with grpc.insecure_channel(grpc_addr) as ch:
+            return generate_pb2_grpc.GenerationStub(ch).ModelInfo(
+                generate_pb2.ModelInfoRequest(), timeout=10).model
+    except Exception:  # noqa: BLE001 - the banner prints what it can
+        return None
+
+
+def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, gport, hport,
+           pport, dport) -> str:
+    host = _connect_host(a.host)
+    h = f"[{host}]" if ":" in host else host
+    name = served_model_name(f"{h}:{gport}")
+    export = "splitserve tokenizer export"
+    if a.model != "default":
+        export += f" --model {a.model}"
+    served_flag = _gateway_shared_flags(engine_args)
+    if "--served-model-name" in served_flag:
+        export += f" --served-model-name {served_flag[served_flag.index('--served-model-name') + 1]}"
+    rest = (f"http://{h}:{hport}/v1   (also /tokenize, /detokenize, /health, /metrics)"
+            if str(hport) != "-1" else "off")
+    return (f"splitserve is up (model {a.model}, KV transfer: {backend or 'auto'}):\n"
+            f"  REST (OpenAI)  {rest}\n"
+            f"  gRPC           {h}:{gport}   (splitserve.v1.Generation)\n"
+            f"  model name     {name or '?'}   (what clients send as \"model\")\n"
+            f"  tokenizer      `{export}` writes it as a HF tokenizer directory "
+            f"(./{name or '<model name>'}) for benchmark tools\n"
+            f"  prefill        {h}:{pport}\n  decode         {h}:{dport}\n"
+            f"Ctrl-C stops all three.")
+
+
 def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
     try:
         extra, backend = placement(a, engine_args)
@@ -209,11 +251,7 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                               env))
         ready = wait_ready(children, a.ready_timeout)
         gport, hport = ready["gateway"][0], ready["gateway"][1]
-        print(f"splitserve is up (model {a.model}, KV transfer: {backend or 'grpc'}):\n"
-              f"  REST (OpenAI)  http://{a.host}:{hport}/v1   (health: /health, metrics: /metrics)\n"
-              f"  gRPC           {a.host}:{gport}   (splitserve.v1.Generation)\n"
-              f"  prefill        {a.host}:{pport}\n  decode         {a.host}:{dport}\n"
-              f"Ctrl-C stops all three.", flush=True)
+        print(banner(a, engine_args, backend, gport, hport, pport, dport), flush=True)
         while stop["sig"] is None:
             dead = [c for c in children if not c.alive()]
             if dead:

@@ -222,6 +222,7 @@ def test_pip_install_dot_serves_a_chat_request(tmp_path):
         rest = re.search(r"REST \(OpenAI\)\s+(http://\S+/v1)", text).group(1)
         with urllib.request.urlopen(rest + "/models", timeout=10) as resp:
             model = json.loads(resp.read())["data"][0]["id"]
+        assert re.search(rf"model name\s+{re.escape(model)}\s", text), text
         body = json.dumps({"model": model, "max_tokens": 8,
                            "messages": [{"role": "user", "content": "Say hi"}]}).encode()
         req = urllib.request.Request(rest + "/chat/completions", data=body,
