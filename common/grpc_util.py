@@ -1,10 +1,13 @@
 """gRPC plumbing shared by the services: message-size / keepalive options, uvloop, health +
-reflection registration, a serve-until-signal helper, and error -> status mapping."""
+reflection registration, a serve-until-signal helper, error -> status mapping, and the port
+check every service runs before it loads a model."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import sys
 from typing import Awaitable, Callable, Iterable
 
@@ -41,6 +44,50 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.so_reuseport", 0),  # NOTE: two servers must never silently share one port
     ]
+
+
+class PortInUseError(ValueError):
+    """A port the process must bind is taken or unusable (found before the model loads)."""
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound now (None: it can). Binds as the servers do (SO_REUSEADDR:
+    a port in TIME_WAIT is free, one with a listener is not) and lets go at once."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve host {host!r}: {e.strerror}"
+    errors = []
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return "is already in use"
+                errors.append(e)
+    # NOTE: an address family the host lacks (no IPv6 for "localhost") is not an error
+    if errors and len(errors) == len(infos):
+        return f"cannot be bound: {errors[0].strerror}"
+    return None
+
+
+def check_ports_free(host: str, ports) -> None:
+    """Bind-test (label, port) pairs on host before anything slow starts; None, 0 (a free one)
+    and negative (off) are skipped. Raises PortInUseError, one line naming the port and its use."""
+    seen: dict[int, str] = {}
+    for label, port in ports:
+        if port is None or int(port) <= 0:
+            continue
+        port = int(port)
+        if port in seen:
+            raise PortInUseError(f"port {port} is given twice ({seen[port]} and {label})")
+        seen[port] = label
+        why = _bind_error(host, port)
+        if why is not None:
+            raise PortInUseError(f"port {port} ({label}) on {host} {why}")
 
 
 def install_uvloop() -> bool:
@@ -123,12 +170,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def service_main(name: str, parse_args, amain, argv=None) -> int:
     """The shared `main()` of prefill_svc / decode_svc: parse flags (SPLITSERVE_* defaults are
-    read and checked there), set up logging, serve until stopped. Exit 2 on bad flags or a
-    model that cannot load (ConfigError / ModelLoadError are ValueErrors)."""
+    read and checked there), check the ports, set up logging, serve until stopped. Exit 2 on
+    bad flags, a busy port or a model that cannot load (PortInUseError / ConfigError /
+    ModelLoadError are ValueErrors)."""
     from common.log import setup_logging
 
     try:
         args = parse_args(argv)
+        check_ports_free(args.host, [(f"{name} gRPC", args.port),
+                                     (f"{name} metrics", getattr(args, "metrics_port", None))])
         setup_logging(args.log_level, name)
         return run(lambda: amain(args))
     except ValueError as e:

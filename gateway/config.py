@@ -96,6 +96,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
+    """The config of the gateway process; its ports are bind-tested here, before the tokenizer
+    loads (raises common.grpc_util.PortInUseError, a ValueError, naming a busy one)."""
+    from common.grpc_util import check_ports_free
+
+    check_ports_free(a.host, [("gateway gRPC", a.grpc_port), ("gateway REST", a.http_port)])
     return GatewayConfig(
         model=a.model, served_model_name=a.served_model_name, max_model_len=a.max_model_len,
         host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,

@@ -8,16 +8,21 @@ cuda:N` / `cuda:M`); the KV transfer backend defaults to auto (vmm: decode maps 
 KV pool and copies device to device, on one GPU or across GPUs of the host).
 `--kv-transfer-backend` sets it explicitly for both services.
 Ctrl-C / SIGTERM -> SIGTERM to all three, SIGKILL to any still alive after a grace period.
-If one child dies, the others are stopped and `up` exits non-zero.
+If one child dies, the others are stopped and `up` exits non-zero with one line naming the
+child and why (the last error line of its stderr, which `up` passes through).
+All ports given are bind-tested before anything starts.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from kvtransfer.endpoint import BACKENDS as KV_BACKENDS
@@ -39,11 +44,58 @@ def _die_with_parent() -> None:
         pass
 
 
+# a log line's prefix (common/log.py): "2026-01-01 12:00:00,000 ERROR [decode] splitserve.x: "
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ +[A-Z]+ +(\[[^\]]*\] +)?[\w.]+: ")
+_ERRORISH = re.compile(r"Error|Exception|error|ERROR|CRITICAL|cannot|failed|in use|not found|"
+                       r"No such|denied")
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], ready_file: str, env: dict):
         self.name, self.argv, self.ready_file = name, argv, ready_file
-        # NOTE: own process group so a terminal Ctrl-C reaches us first; we stop them in order
-        self.proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        # NOTE: own process group so a terminal Ctrl-C reaches us first; we stop them in order.
+        # stderr (its logs) passes through us so the last lines can say why it died.
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent, stderr=subprocess.PIPE)
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._pump = threading.Thread(target=self._forward, name=f"{name}-stderr", daemon=True)
+        self._pump.start()
+
+    def _forward(self) -> None:
+        out = getattr(sys.stderr, "buffer", None)
+        for raw in iter(self.proc.stderr.readline, b""):
+            try:
+                if out is not None:
+                    out.write(raw)
+                else:
+                    sys.stderr.write(raw.decode(errors="replace"))
+                sys.stderr.flush()
+            except (OSError, ValueError):  # our own stderr is gone: keep draining the pipe
+                pass
+            line = raw.decode(errors="replace").rstrip()
+            if line.strip():
+                self.tail.append(line)
+
+    def why(self) -> str:
+        """One line: how it ended and its last error line."""
+        self._pump.join(timeout=2.0)  # the pipe's last lines
+        rc = self.proc.returncode
+        if rc is not None and rc < 0:
+            try:
+                how = f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"killed by signal {-rc}"
+            if rc == -signal.SIGKILL:
+                how += " (out of memory?)"
+        else:
+            how = f"exit code {rc}"
+        lines = list(self.tail)
+        # the last error line among the last few (a traceback ends in its exception), else the
+        # last line of a process that exited on its own
+        reason = next((ln for ln in reversed(lines[-5:]) if _ERRORISH.search(ln)),
+                      lines[-1] if lines and rc is not None and rc > 0 else "")
+        reason = _LOG_PREFIX.sub("", reason).strip()
+        return f"{how}: {reason}" if reason else how
 
     def ready(self) -> list[str] | None:
         if not os.path.exists(self.ready_file):
@@ -67,8 +119,7 @@ def wait_ready(children: list[Child], timeout_s: float) -> dict[str, list[str]]:
             if c.name in out:
                 continue
             if not c.alive():
-                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} before it was ready "
-                                   f"(command: {' '.join(c.argv)})")
+                raise RuntimeError(f"{c.name} failed before it was ready ({c.why()})")
             r = c.ready()
             if r:
                 out[c.name] = r
@@ -220,11 +271,25 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
     if backend is not None:
         for flags in extra.values():
             flags += ["--kv-transfer-backend", backend]
+    from common.grpc_util import PortInUseError, check_ports_free
+
+    mp = a.metrics_ports.split(",") if a.metrics_ports else [None, None]
+    if len(mp) != 2 or not all(x is None or x.strip().isdigit() for x in mp):
+        print(f"splitserve up: --metrics-ports takes two ports, prefill,decode (e.g. 9101,9102); "
+              f"got {a.metrics_ports!r}", file=sys.stderr)
+        return 2
+    try:
+        check_ports_free(a.host, [("gateway REST", a.http_port), ("gateway gRPC", a.grpc_port),
+                                  ("prefill gRPC", a.prefill_port), ("decode gRPC", a.decode_port),
+                                  ("prefill metrics", mp[0]), ("decode metrics", mp[1])])
+    except PortInUseError as e:
+        print(f"splitserve up: {e}", file=sys.stderr)
+        return 2
     tmp = tempfile.mkdtemp(prefix="splitserve-up-")
     env = dict(os.environ)
     common = ["--model", a.model, "--host", a.host] + (["--log-level", a.log_level] if a.log_level else [])
-    mp = a.metrics_ports.split(",") if a.metrics_ports else [None, None]
     children: list[Child] = []
+    failure: str | None = None
     stop = {"sig": None}
 
     def on_signal(signum, _frame):
@@ -255,13 +320,14 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
         while stop["sig"] is None:
             dead = [c for c in children if not c.alive()]
             if dead:
-                print(f"splitserve: {dead[0].name} exited with code {dead[0].proc.returncode}; "
-                      f"stopping the others", file=sys.stderr)
+                failure = f"{dead[0].name} stopped ({dead[0].why()}); the others were stopped"
                 return 1
             time.sleep(0.2)
         return 0
     except RuntimeError as e:
-        print(f"splitserve up: {e}", file=sys.stderr)
+        failure = str(e)
         return 1
     finally:
         stop_all(children)
+        if failure:  # NOTE: last, below the other children's shutdown logs
+            print(f"splitserve up: {failure}", file=sys.stderr, flush=True)
