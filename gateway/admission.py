@@ -195,7 +195,7 @@ class Calibrator:
         if not (raw_ms > 0 and used_ms > 0 and observed_ms > 0) or math.isinf(observed_ms):
             return None
         if self.fit is None:
-            self.fit = OnlineLinear(0.0, 1.0)
+            self.fit = OnlineLinear(0.0, 1.0, decay=0.9)  # ~10 samples: load shifts fast
         self.fit.add(raw_ms, observed_ms)
         self.samples += 1
         err = abs(used_ms - observed_ms) / observed_ms

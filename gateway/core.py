@@ -58,6 +58,7 @@ class GatewayCore:
         self.prefill_on_decode = prefill_on_decode  # gateway/config.py PREFILL_ON_DECODE
         self._bg: set[asyncio.Task] = set()
         self.num_active = 0
+        self.num_admitted = 0  # admitted requests not finished yet
 
     # ---- helpers ------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -118,6 +119,17 @@ class GatewayCore:
         ttft, tpot = self._slos(req)
         cfg = self.admission_cfg
         dec = decide(pred, ttft, tpot, waited_ms, cfg.max_queue_ms, self.predictor.early_reject_slack())
+        idle = self.num_admitted == 0 and not (p.load.queued_tokens or p.load.waiting
+                                               or d.load.running or pred.decode_full)
+        if dec.kind != "admit" and idle:
+            # NOTE: the replicas are idle, so admitting hurts no one, and only outcomes refresh
+            # the models: a calibration learned under a load that is gone must not turn every
+            # request away for good. Still rejected: what the uncalibrated model says not even
+            # an idle replica can do (a tiny SLO).
+            idle_t = self.predictor.prefill_ms(p.load, n, route.cached)[1]
+            idle_p = self.predictor.tpot_ms(d.load)[1]
+            if (ttft is None or idle_t <= ttft) and (tpot is None or idle_p <= tpot):
+                return Decision("admit", "idle probe: nothing admitted is running", pred)
         # one more sequence slows every running one: the tightest TPOT SLO there must hold too
         # (waiting helps: running requests finish)
         if dec.kind == "admit" and d.tpot_slos and pred.tpot_ms > min(d.tpot_slos):
@@ -168,6 +180,8 @@ class GatewayCore:
                                    f"admission rejected request {req.request_id}: {d.reason}",
                                    retry_after_s=max(d.retry_after_s, 1.0))
             route.prediction, route.t_decided = d.prediction, time.monotonic()
+            route.admitted = True
+            self.num_admitted += 1
             route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)
             route.prefill.add_inflight(route.inflight)
             return d
@@ -288,6 +302,9 @@ class GatewayCore:
             held = 0 if p is route.prefill and route.inflight else n
             if held:
                 p.add_inflight(held)
+            # NOTE: prefill_ms runs from the replica's receipt, its own queue included: only a
+            # prompt sent to an otherwise idle replica times the compute the fit models
+            route.alone = p.load.inflight_requests == 1 and not p.load.queued_tokens
             try:
                 with telemetry.span("prefill.Prefill", kind=telemetry.SpanKind.CLIENT,
                                     attributes={"splitserve.replica": p.address}):
@@ -371,6 +388,8 @@ class GatewayCore:
             q.put_nowait(GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             route.release_decode()
+            if route.admitted:
+                self.num_admitted -= 1
             q.put_nowait(_END)
             self.num_active -= 1
             self.metrics.running.dec()
@@ -390,7 +409,7 @@ class GatewayCore:
         finally:
             route.settle()
         route.hold_decode(dec, self._slos(req)[1])
-        if pre is not None:
+        if pre is not None and route.alone:
             pt = pre.timings
             self.predictor.observe_prefill(len(req.prompt_token_ids) - pre.num_cached_tokens,
                                            pt.prefill_ms, pt.transfer_ms)

@@ -75,6 +75,8 @@ class Route:
     t_decided: float = 0.0
     decode: Replica | None = None
     tpot_slo: float | None = None
+    admitted: bool = False
+    alone: bool = False  # its Prefill went to a replica with nothing else of ours in flight
 
     def settle(self) -> None:
         if self.prefill is not None and self.inflight:

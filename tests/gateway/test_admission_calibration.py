@@ -200,3 +200,25 @@ async def test_a_new_request_may_not_slow_a_running_one_past_its_tpot_slo():
         assert [900.0] in seen and d.tpot_slos == []
     finally:
         await s.close()
+
+
+async def test_idle_replicas_admit_a_probe_whatever_an_old_calibration_says():
+    s = await make_stack()
+    try:
+        core = s.core
+        for _ in range(30):  # learned under a load that is gone: everything 4x the model
+            core.predictor.ttft_cal.observe(10.0, 10.0, 5000.0)
+        ids = core.tokenizer.encode("abc")
+        raw_idle = core.predictor.prefill_ms(core.prefill.replicas[0].load, len(ids))[1]
+        r = GenRequest(core.new_request_id(), ids, SamplingParams(temperature=0.0, max_tokens=2),
+                       ttft_slo_ms=2 * raw_idle)
+        assert core._decide(r, 0.0).reason.startswith("idle probe")
+        assert len([c async for c in core.generate(r)]) == 2 and core.num_admitted == 0
+        tiny = GenRequest(core.new_request_id(), ids, SamplingParams(max_tokens=2),
+                          ttft_slo_ms=raw_idle / 2)  # beyond even the uncalibrated model
+        with pytest.raises(GatewayError):
+            _ = [c async for c in core.generate(tiny)]
+        core.prefill.replicas[0].load.queued_tokens = 10  # others' work there: no probe
+        assert core._decide(r, 0.0).kind == "reject"
+    finally:
+        await s.close()
