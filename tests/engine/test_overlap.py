@@ -231,10 +231,12 @@ def test_recorded_step_times_are_the_step_cadence():
     eng.step()
     eng.step()
     eng.runner.step_times.clear()
-    t = time.perf_counter()
+    walls = []
     for _ in range(50):
+        t = time.perf_counter()
         eng.step()
-    wall = (time.perf_counter() - t) / 50
+        walls.append(time.perf_counter() - t)
+    wall = statistics.median(walls)  # medians on both sides: a loaded machine's stalls skew means
     rec = statistics.median(eng.runner.step_times)
     assert 0.5 * wall < rec < 1.5 * wall, (rec, wall)  # launch-to-done gave ~2x
     while eng.has_unfinished():
