@@ -38,6 +38,7 @@ async def amain(args) -> int:
     from kvtransfer.backends.pool_service import PoolKVTransferService
     from kvtransfer.endpoint import (BACKENDS, backend_unavailable, device_id, local_endpoint,
                                      pair_transport, pool_backend_for)
+    from kvtransfer.guard import GuardedSink, InflightGuard
     from protos import decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
     backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
@@ -55,6 +56,7 @@ async def amain(args) -> int:
                           block_size=info["block_size"])
         owner: dict[str, str] = {}  # request id -> transfer id (see EngineKVSink)
         sink = EngineKVSink(engine, layout.block_size, owner)
+        guard = InflightGuard()  # nixl READs and pool copies into reserved blocks
         planes, accepted, pair = {}, ["grpc"], None
         t = args.kv_pair_timeout_s
         if backend == "dist":
@@ -65,24 +67,24 @@ async def amain(args) -> int:
             planes[pair_transport(pair.device)] = lambda: DistPlane(rdv, pair, host, t)
             accepted = ["dist", "grpc"]
         elif backend == "nixl":
-            from kvtransfer.backends.nixl import (GuardedSink, InflightGuard, NixlPlane, make_agent,
-                                                  register_kv_caches)
+            from kvtransfer.backends.nixl import NixlPlane, make_agent, register_kv_caches
 
             agent = make_agent(f"decode-{args.port}-{id(engine):x}")
             kv = engine.kv_cache_tensors()
             register_kv_caches(agent, kv)
-            guard = InflightGuard()
-            sink = GuardedSink(sink, guard)
             planes["nixl"] = lambda: NixlPlane(agent, kv, layout, engine.reserved_block_ids, guard, t)
             pair = local_endpoint(info["device"])
             accepted = ["nixl", "grpc"]
+        takes_pool = _takes_pool(backend, info["device"])  # prefill on this host: copy from its pool
+        if backend == "nixl" or takes_pool:
+            sink = GuardedSink(sink, guard)
         rx = KVReceiver(sink, layout, default_timeout_s=args.reservation_timeout_s)
         importer = None
-        if _takes_pool(backend, info["device"]):  # prefill on this host: copy from its pool
-            from kvtransfer.backends.pool import GuardedSink as PoolGuardedSink, PoolImporter
+        if takes_pool:
+            from kvtransfer.backends.pool import PoolImporter
 
-            importer = PoolImporter(rx, engine.kv_block_view(), engine.reserved_block_ids, info["device"])
-            rx.sink = PoolGuardedSink(rx.sink, importer)
+            importer = PoolImporter(rx, engine.kv_block_view(), engine.reserved_block_ids, info["device"],
+                                    guard=guard)
             accepted = [pool_backend_for(info["device"])] + accepted
             pair = pair or local_endpoint(info["device"])
         svc = DecodeServicer(engine, rx, get_metrics("decode"),

@@ -21,8 +21,9 @@ Design (pull, like the NIXL connectors of vLLM and Dynamo, but our own code):
 
 Hazards:
 - NOTE: decode READs into engine-owned blocks outside the engine thread. A transfer that fails
-  while a READ is in flight must not free those blocks before the READ ends: decode wraps its
-  sink in GuardedSink, whose release waits for the request's in-flight READs.
+  while a READ is in flight must not free those blocks before the READ ends: each READ is
+  counted in an InflightGuard, and decode's sink is a GuardedSink whose release waits for the
+  request's READs (kvtransfer.guard).
 - NOTE: prefill frees a transfer's staging ranges once the transfer is over (ack, nack, abort).
   A READ still in flight after a nack lands in the failed transfer's own (guarded) blocks.
 - NOTE: a READ that neither completes nor errors is given up at its deadline
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from typing import Awaitable, Callable, Sequence
 
 import torch
@@ -41,6 +41,7 @@ import torch
 from kvtransfer.backends.nixl_probe import NOT_INSTALLED, nixl_available  # noqa: F401 - re-exported
 from kvtransfer.backends.pair_service import RecvPlane
 from kvtransfer.endpoint import BackendUnavailable
+from kvtransfer.guard import InflightGuard
 from kvtransfer.state import KVLayout, TransferError
 from protos import kvtransfer_pb2
 
@@ -98,49 +99,6 @@ def block_bytes(layout: KVLayout) -> int:
 
 
 # ---- decode side ------------------------------------------------------------------------
-class InflightGuard:
-    """Counts READs in flight into each request's blocks."""
-
-    def __init__(self):
-        self._n: dict[str, int] = defaultdict(int)
-        self._idle: dict[str, asyncio.Event] = {}
-
-    def enter(self, rid: str) -> None:
-        self._n[rid] += 1
-        self._idle.setdefault(rid, asyncio.Event()).clear()
-
-    def exit(self, rid: str) -> None:
-        self._n[rid] -= 1
-        if self._n[rid] <= 0:
-            self._n.pop(rid, None)
-            ev = self._idle.pop(rid, None)
-            if ev is not None:
-                ev.set()
-
-    async def idle(self, rid: str) -> None:
-        ev = self._idle.get(rid)
-        if ev is not None:
-            await ev.wait()
-
-
-class GuardedSink:
-    """A KVSink whose release waits for the request's in-flight READs (see module NOTE)."""
-
-    def __init__(self, inner, guard: InflightGuard):
-        self.inner = inner
-        self.guard = guard
-
-    async def write_layer(self, request_id, layer_idx, tensor, num_tokens):
-        await self.inner.write_layer(request_id, layer_idx, tensor, num_tokens)
-
-    async def write_scales(self, request_id, k_scales, v_scales):
-        await self.inner.write_scales(request_id, k_scales, v_scales)
-
-    async def release(self, request_id, transfer_id):
-        await self.guard.idle(request_id)
-        await self.inner.release(request_id, transfer_id)
-
-
 class NixlPlane(RecvPlane):
     """Decode's data side of one nixl pair: READ each layer into the reserved blocks.
 

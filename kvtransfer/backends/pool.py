@@ -5,14 +5,15 @@ the blocks it reserved: one gather/scatter over all layers, on decode's own copy
 both engine threads), so no step waits and no byte crosses a wire or the host.
 
     prefill: sender = PoolKVSender(server, kind); nbytes = await sender.handoff(...)
-    decode:  importer = PoolImporter(receiver, dst_blocks, block_ids_of, device)
+    decode:  importer = PoolImporter(receiver, dst_blocks, block_ids_of, device, guard=guard)
              KVTransfer.PoolHandoff -> importer.handoff(...) -> DONE in the receiver
 
 Hazards:
 - NOTE: prefill must keep the request's blocks until the handoff returns (it releases them
   after); decode copies only between reception of the call and its answer.
 - NOTE: a reservation freed while its copy runs would hand the copy's target to another
-  request: `GuardedSink.release` waits for the request's copy before freeing its blocks.
+  request: each copy is counted in the InflightGuard that decode's GuardedSink waits on before
+  it frees the request's blocks (kvtransfer.guard).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from kvtransfer.backends.pool_share import PeerPool, PoolUnreachable, attach
+from kvtransfer.guard import InflightGuard
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.state import TransferError
 
@@ -91,10 +93,11 @@ async def run_copy(src, src_ids, dst, dst_ids, stream) -> None:
 
 
 class PoolImporter:
-    """Decode side: maps prefill pools on first use and runs each request's copy."""
+    """Decode side: maps prefill pools on first use and runs each request's copy, counted in
+    `guard` (the one decode's GuardedSink waits on; a fresh one when none is given)."""
 
     def __init__(self, receiver: KVReceiver, dst_blocks: torch.Tensor, block_ids_of, device,
-                 attach_timeout_s: float = 5.0):
+                 attach_timeout_s: float = 5.0, guard: InflightGuard | None = None):
         self.receiver = receiver
         self.dst = dst_blocks                  # decode's pool: uint8 [layers * 2, blocks, block_bytes]
         self.block_ids_of = block_ids_of       # async (request_id) -> reserved block ids
@@ -102,7 +105,7 @@ class PoolImporter:
         self.attach_timeout_s = attach_timeout_s
         self.peers: dict[str, PeerPool] = {}
         self._users: dict[str, int] = {}       # address -> copies in flight from that pool
-        self._copies: dict[str, asyncio.Future] = {}  # request id -> its copy
+        self.guard = guard if guard is not None else InflightGuard()
         self._attaching: dict[str, asyncio.Task] = {}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.bytes_moved = 0
@@ -169,9 +172,9 @@ class PoolImporter:
         self.receiver.on_data(transfer_id, nbytes)
         t0 = time.perf_counter()
         # NOTE: the copy runs to its end even if this call is cancelled (prefill gone): the
-        # blocks are freed only after it (settled), so nothing lands in reused blocks
+        # blocks are freed only after it (guard), so nothing lands in reused blocks
         task = asyncio.ensure_future(run_copy(peer.blocks, src_ids, self.dst, dst_ids[:n], self._stream))
-        self._copies[t.request_id] = task
+        self.guard.track(t.request_id, task)
         self._users[address] = self._users.get(address, 0) + 1
         task.add_done_callback(lambda _t, rid=t.request_id: self._copy_done(rid, _t, address, peer))
         try:
@@ -192,8 +195,6 @@ class PoolImporter:
         return nbytes, copy_ms
 
     def _copy_done(self, rid: str, task, address: str, peer: PeerPool) -> None:
-        if self._copies.get(rid) is task:
-            self._copies.pop(rid)
         if not task.cancelled() and task.exception() is not None:
             log.error("kv pool copy for %s failed: %r", rid, task.exception())
         self._users[address] -= 1
@@ -203,29 +204,6 @@ class PoolImporter:
             else:
                 peer.close()  # replaced while this copy ran
 
-    async def settled(self, request_id: str) -> None:
-        """Wait until no copy into `request_id`'s blocks is running."""
-        task = self._copies.get(request_id)
-        if task is not None:
-            await asyncio.wait([task])
-
     def close(self) -> None:
         for a in list(self.peers):
             self.peers.pop(a).close()
-
-
-class GuardedSink:
-    """A KVSink whose release waits for the request's pool copy (see the module's NOTE)."""
-
-    def __init__(self, sink, importer: PoolImporter):
-        self.sink, self.importer = sink, importer
-
-    async def write_layer(self, *a, **kw):
-        return await self.sink.write_layer(*a, **kw)
-
-    async def write_scales(self, *a, **kw):
-        return await self.sink.write_scales(*a, **kw)
-
-    async def release(self, request_id: str, transfer_id: str) -> None:
-        await self.importer.settled(request_id)
-        await self.sink.release(request_id, transfer_id)

@@ -15,12 +15,12 @@ import torch
 from common.grpc_util import create_server
 from engine.kv_blocks import KVBlocks
 from kvtransfer import KVLayout, KVReceiver, TransferError, TransferState, send_blocks
-from kvtransfer.backends.nixl import (GuardedSink, InflightGuard, NixlPlane, block_bytes,
-                                      layer_block_descs, make_agent, merge_contiguous,
-                                      nixl_available, register_kv_caches)
+from kvtransfer.backends.nixl import (NixlPlane, block_bytes, layer_block_descs, make_agent,
+                                      merge_contiguous, nixl_available, register_kv_caches)
 from kvtransfer.backends.nixl_sender import NixlKVSender
 from kvtransfer.backends.pair_service import KVTransferService
 from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
+from kvtransfer.guard import GuardedSink, InflightGuard
 from kvtransfer.loopback import MemorySink
 from protos import kvtransfer_pb2_grpc
 from tests.harness import ROOT

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.kv_memory import allocate_pool
-from kvtransfer.backends.pool import GuardedSink, PoolImporter, block_runs, copy_blocks
+from kvtransfer.backends.pool import PoolImporter, block_runs, copy_blocks
 from kvtransfer.backends.pool_share import PoolServer, PoolUnreachable, attach
+from kvtransfer.guard import GuardedSink
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.state import KVLayout, TransferError, TransferState
 
@@ -108,7 +109,7 @@ def _importer(dst_blocks: int, reserved: dict):
         return reserved[rid]
 
     imp = PoolImporter(rx, dst, ids_of, "cpu")
-    rx.sink = GuardedSink(sink, imp)
+    rx.sink = GuardedSink(sink, imp.guard)
     return rx, imp, dst, sink
 
 
@@ -171,7 +172,7 @@ async def test_release_waits_for_a_running_copy():
     rx, imp, _, sink = _importer(4, {})
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-    imp._copies["r1"] = fut
+    imp.guard.track("r1", fut)  # as handoff counts its copy
     rel = loop.create_task(rx.sink.release("r1", "t1"))
     await asyncio.sleep(0.05)
     assert sink.released == []
