@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import signal
 import socket
+import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -166,6 +168,30 @@ def sse_tokens(ev: dict) -> int:
     return len(lp["tokens"]) if lp and lp.get("tokens") is not None else 1
 
 
+async def sse_chunks(resp):
+    """The chunks of an OpenAI SSE stream (an aiohttp response) as they arrive: (arrival time,
+    parsed chunk), '[DONE]' left out; an error chunk raises RuntimeError."""
+    buf = b""
+    async for part in resp.content.iter_any():
+        now = time.perf_counter()
+        evs, buf = parse_sse(buf + part)
+        for ev in evs:
+            if ev == "[DONE]":
+                continue
+            if "error" in ev:
+                raise RuntimeError(f"stream error: {ev['error'].get('message')}")
+            yield now, ev
+
+
+def add_unseen_tokens(events: list[tuple[float, int]], completion_tokens: int | None) -> None:
+    """Tokens the usage counts but no chunk showed (a token whose text is empty is not sent)
+    arrived with the last chunk."""
+    seen = sum(n for _, n in events)
+    if events and completion_tokens and completion_tokens > seen:
+        t, n = events[-1]
+        events[-1] = (t, n + completion_tokens - seen)
+
+
 async def rest_one(session, url: str, model: str, prompt: list[int], max_tokens: int,
                    logprobs: int | None, timeout_s: float) -> Trace:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -175,27 +201,18 @@ async def rest_one(session, url: str, model: str, prompt: list[int], max_tokens:
     import aiohttp
 
     tr = Trace(time.perf_counter())
-    usage, buf = None, b""
+    usage = None
     async with session.post(url + "/v1/completions", json=body,
                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-        async for part in r.content.iter_any():
-            now = time.perf_counter()
-            evs, buf = parse_sse(buf + part)
-            for ev in evs:
-                if ev == "[DONE]":
-                    continue
-                if "error" in ev:
-                    raise RuntimeError(f"stream error: {ev['error'].get('message')}")
-                if ev.get("usage"):
-                    usage = ev["usage"]
-                n = sse_tokens(ev)
-                if n:
-                    tr.events.append((now, n))
-    if usage and tr.events and usage["completion_tokens"] > tr.n_tokens:
-        t, n = tr.events[-1]
-        tr.events[-1] = (t, n + usage["completion_tokens"] - tr.n_tokens)
+        async for now, ev in sse_chunks(r):
+            usage = ev.get("usage") or usage
+            n = sse_tokens(ev)
+            if n:
+                tr.events.append((now, n))
+    if usage:
+        add_unseen_tokens(tr.events, usage["completion_tokens"])
     return tr
 
 
@@ -230,15 +247,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+def scrape_metrics(url: str, name: str) -> dict[str, float]:
+    """The Prometheus text at url/metrics -> {'name{labels}': value} for the series whose name
+    starts with a match of the regex `name`."""
+    text = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5).read().decode()
     out = {}
     for ln in text.splitlines():
-        m = re.match(r"^(splitserve_kv_transfer\S*)\s+(\S+)$", ln)
+        m = re.match(rf"^((?:{name})\S*)\s+(\S+)$", ln)
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A service's KV transfer series."""
+    return scrape_metrics(f"http://127.0.0.1:{port}", "splitserve_kv_transfer")
 
 
 def kv_delta(before: dict, after: dict, requests: int) -> dict:
@@ -285,6 +308,18 @@ def wait_up(up, log_path: str, timeout_s: float) -> tuple[str, str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"gateway {rest}/health: {ex}") from None
         time.sleep(0.25)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM (as Ctrl-C stops `up`: each child gets its turn), SIGKILL after grace_s; nothing
+    if it has exited."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def model_info(grpc_addr: str):

@@ -40,7 +40,8 @@ import time
 
 from bench.common import print_table, write_result
 from bench.pd_clients import (free_port, kv_delta, model_info, percentile, random_prompts,
-                               run_engine, run_system, scrape, trace_stats, wait_up)
+                               run_engine, run_system, scrape, stop_process, trace_stats,
+                               wait_up)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_KV_BYTES = 16 << 30
@@ -226,13 +227,7 @@ def system_side(a, e, engine_argv: list[str]) -> tuple[dict, str]:
         res = {"error": f"error: {type(ex).__name__}: {ex}"}
     finally:
         say("whole system: stopping `up`")
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
+        stop_process(up, 60)
         tail = open(log_path).read()[-4000:]
         os.unlink(log_path)
     return res, tail

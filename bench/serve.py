@@ -28,10 +28,9 @@ import asyncio
 import dataclasses
 import math
 import os
-import re
 import sys
-import urllib.request
 
+from bench.pd_clients import scrape_metrics
 from bench.serve_client import ClientConfig, make_client, run_closed, run_open
 from bench.serve_stats import compare, outcome_rows, samples, summarize
 from bench.serve_trace import PRESETS, TraceSpec, arrival_times, build_trace, describe, trace_digest
@@ -120,15 +119,9 @@ def scrape(url: str | None) -> dict[str, float]:
     if not url:
         return {}
     try:
-        text = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5).read().decode()
+        return scrape_metrics(url, "splitserve_(?:admission|routing_prefix)")
     except OSError:
         return {}
-    out = {}
-    for ln in text.splitlines():
-        m = re.match(r"^(splitserve_(admission|routing_prefix)\S*)\s+(\S+)$", ln)
-        if m:
-            out[m.group(1)] = float(m.group(3))
-    return out
 
 
 def gateway_delta(before: dict, after: dict) -> dict:

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from bench.pd_clients import parse_sse, sse_tokens
+from bench.pd_clients import add_unseen_tokens, sse_chunks, sse_tokens
 from bench.serve_trace import Req
 
 _PRED = re.compile(r"predicted (TTFT|TPOT) ([0-9.]+) ms")
@@ -97,7 +97,7 @@ class RestClient:
 
         path, body = self.body(req)
         o = Outcome(req.idx, time.perf_counter())
-        buf, usage = b"", None
+        usage = None
         try:
             async with self.session.post(self.cfg.url.rstrip("/") + path, json=body,
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
@@ -110,18 +110,11 @@ class RestClient:
                     else:
                         o.status, o.code, o.error = "error", str(r.status), text[:300]
                     return o
-                async for part in r.content.iter_any():
-                    now = time.perf_counter()
-                    evs, buf = parse_sse(buf + part)
-                    for ev in evs:
-                        if ev == "[DONE]":
-                            continue
-                        if "error" in ev:
-                            raise RuntimeError(f"stream error: {ev['error'].get('message')}")
-                        usage = ev.get("usage") or usage
-                        n = sse_tokens(ev) if ev.get("choices") else 0
-                        if n:
-                            o.events.append((now, n))
+                async for now, ev in sse_chunks(r):
+                    usage = ev.get("usage") or usage
+                    n = sse_tokens(ev)
+                    if n:
+                        o.events.append((now, n))
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
             o.status, o.code, o.error = "error", type(e).__name__, str(e)[:300]
         finally:
@@ -129,10 +122,7 @@ class RestClient:
         if usage:
             o.prompt_tokens, o.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
             o.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            seen = sum(n for _, n in o.events)
-            if o.events and o.completion_tokens and o.completion_tokens > seen:
-                t, n = o.events[-1]  # tokens whose text was empty came without a chunk
-                o.events[-1] = (t, n + o.completion_tokens - seen)
+            add_unseen_tokens(o.events, o.completion_tokens)
         if o.status == "ok" and not o.events:
             o.status, o.error = "error", "no tokens streamed"
         return o

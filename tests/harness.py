@@ -4,6 +4,7 @@ free loopback ports, found through its --ready-file, its output kept in a log fi
     with service_pair(prefill_extra, decode_extra) as (pre, dec): ...   # prefill_svc + decode_svc
     with service_group(a=("decode_svc", extra), ...) as procs: ...       # any set, in parallel
     stack = start_stack(TINY_CPU, n_prefill=2, otlp_endpoint=...)       # + a gateway in front
+    with splitserve_up([*UP_PORTS, *TINY_CPU]) as up: ...                # `splitserve up`, banner read
 
 Traces go to an OTLP receiver when one is given (batch delay lowered so spans arrive within
 a fraction of a second), nowhere otherwise.
@@ -18,6 +19,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bench.pd_clients import stop_process, wait_up
 
 ROOT = Path(__file__).resolve().parents[1]
 # SPLITSERVE_TEST_DEVICE=cuda runs the services on a GPU (CUDA graphs on); default cpu
@@ -90,7 +93,9 @@ class Proc:
         return self
 
 
-def _env(otlp_endpoint: str | None, service: str) -> dict:
+def child_env(otlp_endpoint: str | None = None, service: str = "splitserve") -> dict:
+    """The environment of a child process: this checkout importable, traces off unless an OTLP
+    endpoint is given."""
     pp = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": pp}
     if otlp_endpoint:
@@ -107,7 +112,7 @@ def spawn(name: str, module: str, args: list[str], otlp_endpoint: str | None = N
     ready, log_path = os.path.join(d, "ready"), os.path.join(d, "log")
     cmd = [sys.executable, "-m", module, "--ready-file", ready, *args]
     with open(log_path, "w") as logf:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(otlp_endpoint, f"splitserve-{name}"),
+        p = subprocess.Popen(cmd, cwd=ROOT, env=child_env(otlp_endpoint, f"splitserve-{name}"),
                              stdout=logf, stderr=subprocess.STDOUT)
     return Proc(name, p, ready, log_path)
 
@@ -197,3 +202,42 @@ def start_stack(engine_args: list[str] = TINY_CPU, *, n_prefill: int = 1,
             p.stop(kill=True)
         raise
     return Stack(prefills, decodes, gw)
+
+
+# ---- `splitserve up` ---------------------------------------------------------------------------
+
+UP_PORTS = ["--http-port", "0", "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0"]
+
+
+@dataclass
+class Up:
+    """A running `splitserve up`; rest (base URL, without /v1) and grpc_address from its banner."""
+    popen: subprocess.Popen
+    log_path: str
+    rest: str = ""
+    grpc_address: str = ""
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text()
+
+
+@contextlib.contextmanager
+def splitserve_up(args: list[str], *, cmd: list[str] | None = None, cwd=ROOT, env: dict | None = None,
+                  timeout_s: float = 120.0):
+    """`splitserve up ARGS` (cmd: how to run `splitserve`, default this checkout's
+    `python -m splitserve_cli`), its output in a log file; -> an Up once the banner is printed
+    and the gateway answers /health; on exit SIGTERM (SIGKILL after 30 s) if it still runs."""
+    log_path = os.path.join(tempfile.mkdtemp(prefix="up-"), "log")
+    with open(log_path, "w") as f:
+        p = subprocess.Popen([*(cmd or [sys.executable, "-m", "splitserve_cli"]), "up", *args],
+                             cwd=cwd, env=env if env is not None else child_env(), stdout=f,
+                             stderr=subprocess.STDOUT)
+    up = Up(p, log_path)
+    try:
+        try:
+            up.rest, up.grpc_address = wait_up(p, log_path, timeout_s)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{up.log()[-6000:]}") from None
+        yield up
+    finally:
+        stop_process(p, 30)

