@@ -31,19 +31,12 @@ import torch
 
 from bench.common import print_table, write_result
 from bench.engine_gpu_steps import decode_inputs, make_engine, rows_of
-from bench.timing import cuda_time_ms
+from bench.timing import cuda_time_ms, host_time_s
 from engine.sampling_params import SamplingParams
 
 
 def _host_us(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return host_time_s(fn, iters, warmup=10) * 1e6
 
 
 def _graph_rows(eng, batch: int, ctx: int) -> dict:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
-import statistics
 import time
 
 import torch
 
 from bench.common import print_table, write_result
+from bench.timing import host_time_s
 
 
 def _owner(q, nbytes: int, info: dict, device: str) -> None:
@@ -35,16 +35,6 @@ def _owner(q, nbytes: int, info: dict, device: str) -> None:
     server = PoolServer(pool, info)
     q.put(server.address)
     time.sleep(3600)
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -85,8 +75,9 @@ def main(argv=None) -> int:
             nbytes = n * a.layers * 2 * block_bytes
             one = list(range(n))
             scattered = rng.sample(range(n_blocks), n), rng.sample(range(n_blocks), n)
-            t_run = _time(lambda: copy_blocks(peer.blocks, one, dst, one, stream), a.repeats)
-            t_gat = _time(lambda: copy_blocks(peer.blocks, scattered[0], dst, scattered[1], stream), a.repeats)
+            t_run = host_time_s(lambda: copy_blocks(peer.blocks, one, dst, one, stream), a.repeats)
+            t_gat = host_time_s(lambda: copy_blocks(peer.blocks, scattered[0], dst, scattered[1], stream),
+                                a.repeats)
             ok = bool((dst[:, :n] == 7).all())
             rows.append({"tokens": tok, "MiB": f"{nbytes / 2**20:.1f}", "ms (one stretch)": f"{t_run * 1e3:.3f}",
                          "GB/s": f"{nbytes / t_run / 1e9:.1f}", "ms (scattered)": f"{t_gat * 1e3:.3f}",

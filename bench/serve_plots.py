@@ -35,6 +35,25 @@ def _log(ax, axis: str) -> None:
     a.set_minor_formatter(NullFormatter())
 
 
+def _slo_line(draw, limit) -> None:
+    """The SLO as a dashed red line (draw: ax.axvline or ax.axhline); none without one."""
+    if limit:
+        draw(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g} ms")
+
+
+def _save(fig, path: str, axes=(), title: str | None = None) -> str:
+    """A grid and a legend on each of `axes`, the title over all, the PNG at path; -> path."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title is not None:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def plot_cdfs(runs: dict[str, dict[str, list[float]]], path: str, title: str = "",
               slo: dict | None = None) -> str:
     plt = _plt()
@@ -45,20 +64,12 @@ def plot_cdfs(runs: dict[str, dict[str, list[float]]], path: str, title: str = "
             if len(xs):
                 ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post",
                         label=f"{label} (n={len(xs)})")
-        limit = (slo or {}).get(m)
-        if limit:
-            ax.axvline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g} ms")
+        _slo_line(ax.axvline, (slo or {}).get(m))
         ax.set_xlabel(_TITLES[m])
         ax.set_ylabel("fraction of samples")
         if ax.has_data() and min((min(sm.get(m) or [1.0]) for sm in runs.values())) > 0:
             _log(ax, "x")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title or "latency CDFs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, axes.flat, title or "latency CDFs")
 
 
 def plot_load(series: dict[str, list[dict]], path: str, title: str = "",
@@ -80,21 +91,13 @@ def plot_load(series: dict[str, list[dict]], path: str, title: str = "",
         axes[0].plot([0, top], [0, top], color="grey", lw=0.8, ls=":", label="offered")
     for ax, what, key in ((axes[1], "P99 TTFT (ms)", "ttft_ms"), (axes[2], "P99 TPOT (ms)", "tpot_ms")):
         ax.set_ylabel(what)
-        limit = (slo or {}).get(key)
-        if limit:
-            ax.axhline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g} ms")
+        _slo_line(ax.axhline, (slo or {}).get(key))
         if ax.has_data():
             _log(ax, "y")
     axes[0].set_ylabel("requests / s")
     for ax in axes:
         ax.set_xlabel("offered load (requests / s)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title or "goodput and tail latency against offered load")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, axes, title or "goodput and tail latency against offered load")
 
 
 def plot_ab(cmp: dict, path: str, labels: tuple[str, str] = ("A", "B"), title: str = "") -> str:
@@ -120,7 +123,4 @@ def plot_ab(cmp: dict, path: str, labels: tuple[str, str] = ("A", "B"), title: s
     ax.set_title((title or f"A/B: {labels[0]} vs {labels[1]} under one trace")
                  + "\nP99 delta, 95% bootstrap interval; KS test per metric", fontsize=10)
     ax.margins(y=0.2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

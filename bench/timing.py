@@ -1,10 +1,24 @@
-"""GPU timing shared by the benchmarks: CUDA events around each call (host launch cost
-included) and CUDA-graph replay of a captured sequence of calls (launch cost removed)."""
+"""Timing shared by the benchmarks: the host clock around each call, CUDA events around each
+call (host launch cost included) and CUDA-graph replay of a captured sequence of calls (launch
+cost removed)."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
+
+
+def host_time_s(fn, iters: int, warmup: int = 1) -> float:
+    """Median seconds of fn() over `iters` runs on the host clock (whatever fn waits for)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def l2_defeating_copies(nbytes: int, total: int = 512 << 20) -> int:
