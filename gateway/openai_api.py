@@ -109,6 +109,20 @@ def check_model(body: dict, served: list[str], required: bool = True) -> str | N
     return model
 
 
+def check_body(body, served: list[str], model_required: bool = True) -> None:
+    """The request body must be a JSON object whose 'model' is served (or, where not required,
+    absent)."""
+    if not isinstance(body, dict):
+        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
+    check_model(body, served, model_required)
+
+
+def _tokenizer(core, hint: str = "", param: str | None = None):
+    if core.tokenizer is None:
+        raise invalid("this model has no tokenizer" + hint, param=param)
+    return core.tokenizer
+
+
 def _response_format(body: dict) -> None:
     rf = _get(body, "response_format", dict, None)
     if rf is None:
@@ -169,9 +183,7 @@ def _common(body: dict, core, default_max_tokens: int | None, max_tokens_key: st
 
 
 def parse_completion(body, core, served: list[str], default_max_tokens: int | None) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
-    check_model(body, served)
+    check_body(body, served)
     if "prompt" not in body:
         raise invalid("'prompt' is required", param="prompt")
     p = body["prompt"]
@@ -180,10 +192,8 @@ def parse_completion(body, core, served: list[str], default_max_tokens: int | No
     if isinstance(p, str):
         if p == "":
             raise invalid("'prompt' is empty", param="prompt")
-        if core.tokenizer is None:
-            raise invalid("this model has no tokenizer: send 'prompt' as an array of token ids",
-                          param="prompt")
-        ids = core.tokenizer.encode(p, add_special_tokens=True)
+        tok = _tokenizer(core, ": send 'prompt' as an array of token ids", param="prompt")
+        ids = tok.encode(p, add_special_tokens=True)
     elif isinstance(p, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
         ids = list(p)
     elif isinstance(p, list) and len(p) > 1:
@@ -235,22 +245,21 @@ def _messages(body: dict) -> list[dict]:
     return messages
 
 
+_USE_IDS = ": use /v1/completions with token ids"
+
+
 def _chat_text(core, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    if core.tokenizer is None:
-        raise invalid("this model has no tokenizer: use /v1/completions with token ids")
+    tok = _tokenizer(core, _USE_IDS)
     try:
-        return core.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise invalid(f"messages: {e}", param="messages") from None
 
 
 def parse_chat(body, core, served: list[str], default_max_tokens: int | None) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
-    check_model(body, served)
+    check_body(body, served)
     messages = _messages(body)
-    if core.tokenizer is None:
-        raise invalid("this model has no tokenizer: use /v1/completions with token ids")
+    tok = _tokenizer(core, _USE_IDS)
     want_lp = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int, None)
     if top is not None and not 0 <= top <= 20:
@@ -258,7 +267,7 @@ def parse_chat(body, core, served: list[str], default_max_tokens: int | None) ->
     if top is not None and not want_lp:
         raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     lp = (top or 0) if want_lp else None
-    ids = core.tokenizer.encode(_chat_text(core, messages), add_special_tokens=False)
+    ids = tok.encode(_chat_text(core, messages), add_special_tokens=False)
     core.check_prompt(ids)
     params, ttft, tpot, prio, stream, inc, rid = _common(body, core, default_max_tokens,
                                                          "max_completion_tokens", lp, len(ids))
@@ -269,38 +278,32 @@ def parse_chat(body, core, served: list[str], default_max_tokens: int | None) ->
 # ---- /tokenize, /detokenize (vLLM's bodies) --------------------------------------------------
 
 def tokenize(body, core, served: list[str]) -> dict:
-    if not isinstance(body, dict):
-        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
-    check_model(body, served, required=False)
-    if core.tokenizer is None:
-        raise invalid("this model has no tokenizer")
+    check_body(body, served, model_required=False)
+    tok = _tokenizer(core)
     if body.get("messages") is not None:
         text = _chat_text(core, _messages(body),
                           _get(body, "add_generation_prompt", bool, True))
-        ids = core.tokenizer.encode(text, add_special_tokens=_get(body, "add_special_tokens", bool, False))
+        ids = tok.encode(text, add_special_tokens=_get(body, "add_special_tokens", bool, False))
     elif body.get("prompt") is not None:
-        ids = core.tokenizer.encode(_get(body, "prompt", str),
-                                    add_special_tokens=_get(body, "add_special_tokens", bool, True))
+        ids = tok.encode(_get(body, "prompt", str),
+                         add_special_tokens=_get(body, "add_special_tokens", bool, True))
     else:
         raise invalid("one of 'prompt' or 'messages' is required", param="prompt")
-    strs = ([core.tokenizer.tk.id_to_token(i) for i in ids]
+    strs = ([tok.tk.id_to_token(i) for i in ids]
             if _get(body, "return_token_strs", bool, False) else None)
     return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(body, core, served: list[str]) -> dict:
-    if not isinstance(body, dict):
-        raise invalid(f"request body must be a JSON object, got {_type_name(body)}")
-    check_model(body, served, required=False)
-    if core.tokenizer is None:
-        raise invalid("this model has no tokenizer")
+    check_body(body, served, model_required=False)
+    tok = _tokenizer(core)
     if "tokens" not in body:
         raise invalid("'tokens' is required", param="tokens")
     ids = _int_list(body["tokens"], "tokens")
     bad = next((t for t in ids if not 0 <= t < core.vocab_size), None)
     if bad is not None:
         raise invalid(f"token id {bad} is out of range [0, {core.vocab_size})", param="tokens")
-    return {"prompt": core.tokenizer.decode(ids, skip_special_tokens=False)}
+    return {"prompt": tok.decode(ids, skip_special_tokens=False)}
 
 
 # ---- responses --------------------------------------------------------------------------------

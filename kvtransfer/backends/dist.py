@@ -41,8 +41,22 @@ from protos import kvtransfer_pb2
 log = logging.getLogger("splitserve.kvtransfer.dist")
 
 
+class _GroupSide:
+    """Either side's hold on its pair group (None until the pair is made)."""
+
+    group: PairGroup | None = None
+
+    def close_group(self, reason: str, orderly: bool) -> None:
+        if self.group is not None:
+            self.group.close(reason, orderly=orderly)
+
+    async def wait_closed(self) -> None:
+        if self.group is not None:
+            await asyncio.to_thread(self.group.join)
+
+
 # ---- prefill side -----------------------------------------------------------------------
-class DistPairClient(PairClient):
+class DistPairClient(_GroupSide, PairClient):
     backend = "dist"
 
     def __init__(self, channel, address, peer, local, op_timeout_s, connect_timeout_s, host: str):
@@ -76,12 +90,7 @@ class DistPairClient(PairClient):
         return asyncio.wrap_future(g.submit_send(raw, self.op_timeout_s))
 
     def close_data_path(self, reason: str, orderly: bool) -> None:
-        if self.group is not None:
-            self.group.close(reason, orderly=orderly)
-
-    async def wait_closed(self) -> None:
-        if self.group is not None:
-            await asyncio.to_thread(self.group.join)
+        self.close_group(reason, orderly)
 
 
 class DistKVSender(PairKVSender):
@@ -116,7 +125,7 @@ class DistRendezvous:
         self.store = None
 
 
-class DistPlane(RecvPlane):
+class DistPlane(_GroupSide, RecvPlane):
     """Decode's data side of one dist pair: rank 1 of the group, one recv per header."""
 
     backend = "dist"
@@ -174,9 +183,4 @@ class DistPlane(RecvPlane):
                     self._pool.pop(min(range(len(self._pool)), key=lambda i: self._pool[i].numel()))
 
     def close(self, reason: str, orderly: bool) -> None:
-        if self.group is not None:
-            self.group.close(reason, orderly=orderly)
-
-    async def wait_closed(self) -> None:
-        if self.group is not None:
-            await asyncio.to_thread(self.group.join)
+        self.close_group(reason, orderly)

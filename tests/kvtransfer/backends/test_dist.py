@@ -6,6 +6,7 @@ unreachable rendezvous store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -136,14 +137,26 @@ async def test_refused_transfers_are_drained_and_the_pair_survives(receivers, se
     rp.claim("good")
 
 
-async def test_killed_receiver_fails_the_sender_within_its_timeout():
+@contextlib.asynccontextmanager
+async def _own_receiver(n_blocks: int, seed: int, op_timeout_s: float, timeout_s: float):
+    """A receiver process of its own (to kill or freeze) and a sender with transfer t1 of
+    n_blocks open to it -> (receiver, sender, blocks, transfer)."""
     layout = LAYOUTS["bf16-3"]
     rp = ReceiverProc.spawn(layout, num_blocks=32)
-    s = DistKVSender(PairEndpoint("cpu"), host="127.0.0.1", op_timeout_s=5, connect_timeout_s=5)
+    s = DistKVSender(PairEndpoint("cpu"), host="127.0.0.1", op_timeout_s=op_timeout_s,
+                     connect_timeout_s=5)
     try:
-        kv = _blocks(layout, 3, seed=5)
-        rp.expect("t1", "r1", [0, 1, 2], kv.num_tokens)
-        tx = await s.open(rp.address, "t1", "r1", layout, kv.num_tokens, 8, peer=rp.endpoint)
+        kv = _blocks(layout, n_blocks, seed=seed)
+        rp.expect("t1", "r1", list(range(n_blocks)), kv.num_tokens)
+        tx = await s.open(rp.address, "t1", "r1", layout, kv.num_tokens, timeout_s, peer=rp.endpoint)
+        yield rp, s, kv, tx
+    finally:
+        await s.close()
+        rp.kill()
+
+
+async def test_killed_receiver_fails_the_sender_within_its_timeout():
+    async with _own_receiver(3, seed=5, op_timeout_s=5, timeout_s=8) as (rp, s, kv, tx):
         tx.send_layer(0, kv.layers[0])
         await asyncio.sleep(0.3)  # layer 0 moved; the receiver dies mid-transfer
         rp.kill()
@@ -157,34 +170,24 @@ async def test_killed_receiver_fails_the_sender_within_its_timeout():
         # the broken pair is gone; a new one cannot be made with a dead decode: unavailable
         t0 = time.monotonic()
         with pytest.raises(PairUnavailable):
-            await s.open(rp.address, "t2", "r2", layout, kv.num_tokens, 8, peer=rp.endpoint)
+            await s.open(rp.address, "t2", "r2", LAYOUTS["bf16-3"], kv.num_tokens, 8, peer=rp.endpoint)
         assert time.monotonic() - t0 < 7
         assert s.unusable(rp.address) is not None  # remembered: prefill falls back to grpc
-    finally:
-        await s.close()
-        rp.kill()
 
 
 async def test_frozen_receiver_times_out_instead_of_hanging():
     """SIGSTOP: the peer's sockets stay open but nothing answers -> the op timeout fires."""
-    layout = LAYOUTS["bf16-3"]
-    rp = ReceiverProc.spawn(layout, num_blocks=32)
-    s = DistKVSender(PairEndpoint("cpu"), host="127.0.0.1", op_timeout_s=2, connect_timeout_s=5)
-    try:
-        kv = _blocks(layout, 2, seed=6)
-        rp.expect("t1", "r1", [0, 1], kv.num_tokens)
-        tx = await s.open(rp.address, "t1", "r1", layout, kv.num_tokens, 20, peer=rp.endpoint)
+    async with _own_receiver(2, seed=6, op_timeout_s=2, timeout_s=20) as (rp, s, kv, tx):
         os.kill(rp.proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        for i in range(layout.num_layers):
-            tx.send_layer(i, kv.layers[i])
-        with pytest.raises(TransferError, match="broken|timed out|Timed out"):
-            await tx.finish()
-        assert time.monotonic() - t0 < 6
-    finally:
-        os.kill(rp.proc.pid, signal.SIGCONT)
-        await s.close()
-        rp.kill()
+        try:
+            t0 = time.monotonic()
+            for i, layer in enumerate(kv.layers):
+                tx.send_layer(i, layer)
+            with pytest.raises(TransferError, match="broken|timed out|Timed out"):
+                await tx.finish()
+            assert time.monotonic() - t0 < 6
+        finally:
+            os.kill(rp.proc.pid, signal.SIGCONT)
 
 
 async def test_unreachable_store_is_pair_unavailable(receivers):
