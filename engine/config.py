@@ -108,6 +108,8 @@ class DeviceConfig:
     # on one small machine should split the cores: oversubscribed OpenMP threads spin and run
     # ~10x slower than one thread each.
     cpu_threads: int | None = None
+    # CPU, fp32: matmul weights stored [in, out] contiguous (engine/cpu_layout.py)
+    cpu_weight_layout: bool = True
     # Decode matmuls with at most this many rows run through the fused skinny-GEMM Triton
     # kernels (norm / silu / residual fused); larger batches use cuBLAS. None: the tuned
     # default (engine.kernels.skinny_configs.DEFAULT_MAX_M); 0: off. CUDA only.

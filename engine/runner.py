@@ -22,6 +22,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.graphs import put_tokens
+from engine.kernels.common import interpreting  # no triton import: safe on CPU
 from engine.kv_memory import allocate_pool
 from engine.layers.attention import AttentionMetadata, KVScales
 from engine.layers.sampler import Sampler, SamplingBatch
@@ -86,6 +87,12 @@ class ModelRunner:
         self.prefill_graphs = None  # PrefillGraphRunner once captured
         model.set_kernels(cfg.kernels)
         model.skinny_max_m, model.skinny_rows = self._skinny_batches()
+        # NOTE: the fused Triton matmuls need [out, in] weights; under the Triton interpreter
+        # (tests) they may run on CPU
+        if self.device.type == "cpu" and cfg.device.cpu_weight_layout and not interpreting():
+            from engine.cpu_layout import transpose_linear_weights
+
+            transpose_linear_weights(model)
 
     def _skinny_batches(self) -> tuple[int, frozenset[int] | None]:
         """(max rows, the row counts <= max that take the fused path or None for all)."""

@@ -46,6 +46,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] | None = None
     # True when every sequence has exactly one query token (pure decode step)
     is_decode_only: bool = False
+    # the torch backend's per-step plan on CPU (engine/layers/attention_cpu.py): built by the
+    # first layer's forward, reused by the others
+    cpu_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -172,7 +175,9 @@ def paged_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: works on CPU and GPU, loops over sequences on the host."""
+    """Torch ops only, CPU and GPU. On CPU (fp32 / 16-bit KV) the decode rows of a step attend
+    in one batched product (engine/layers/attention_cpu.py); elsewhere, and for fp8 KV, the
+    reference (a host loop over sequences)."""
 
     name = "torch"
 
@@ -183,5 +188,12 @@ class TorchAttentionBackend(AttentionBackend):
             kv_scales.calibrate(layer, k, v)
             ks, vs = kv_scales.k[layer], kv_scales.v[layer]
         write_kv_torch(k, v, kv_cache, meta.slot_mapping, ks, vs)
+        if q.device.type == "cpu" and ks is None:
+            from engine.layers.attention_cpu import build_plan, paged_attention_cpu
+
+            if meta.cpu_plan is None:
+                meta.cpu_plan = build_plan(meta, self.num_heads, self.num_kv_heads, torch.float32,
+                                           q.device)
+            return paged_attention_cpu(q, k, v, kv_cache, meta, self.scale, meta.cpu_plan)
         return paged_attention_torch(q, kv_cache, meta, self.scale, ks, vs)
 

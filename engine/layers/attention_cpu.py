@@ -1,0 +1,116 @@
+"""Paged attention for the torch backend on CPU: every decode row of a step in one batched
+product, prompt rows one sequence at a time. Same results as paged_attention_torch (the
+reference), without its per-sequence host loop over decode rows.
+
+Decode rows (one query token each): their contexts are gathered from the cache in one
+index_select per layer into [n, Lp * Hkv, D] (Lp = the longest context in whole blocks; K and V
+together), and each row attends with ALL its Hq query heads against ALL Lp * Hkv (token, kv-head)
+keys under one additive mask that keeps, for query head h, the keys of kv head h // (Hq / Hkv) at
+positions < seq_len. The GQA grouping costs Hkv x the score FLOPs (small at decode) and saves
+the repeat_interleave / transpose copies: both batched matmuls read contiguous operands.
+
+Prompt rows: a prompt chunk with no cached context (its whole context is this step's K/V, and
+the cache holds them in their own dtype) attends over the k / v it was given, without reading
+the cache back; a chunk after cached tokens
+gathers its context like the reference. Both through SDPA with grouped-query heads.
+
+The per-step plan (gather slots, mask, row split) is built once and reused by every layer
+(AttentionMetadata.cpu_plan).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class CpuAttentionPlan:
+    decode_rows: torch.Tensor | None  # [n] long: decode rows' flat query rows (None: all rows)
+    num_decode: int
+    slots: torch.Tensor | None  # [n * Lp] long: cache slots of the decode rows' contexts
+    mask: torch.Tensor | None  # [n, Hq, Lp * Hkv] additive (0 / -inf) in the compute dtype
+    padded_len: int  # Lp
+    # prompt rows: (q start, q end, context length, row index in the batch)
+    prompt_rows: list[tuple[int, int, int, int]]
+
+
+def build_plan(meta, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+               device: torch.device) -> CpuAttentionPlan:
+    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    sl = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    bs = meta.block_size
+    dec, prompts = [], []
+    for i in range(len(sl)):
+        ql = qsl[i + 1] - qsl[i]
+        if ql == 1:
+            dec.append(i)
+        elif ql > 1:
+            prompts.append((qsl[i], qsl[i + 1], sl[i], i))
+    if not dec:
+        return CpuAttentionPlan(None, 0, None, None, 0, prompts)
+    lens = [sl[i] for i in dec]
+    nblk = -(-max(lens) // bs)
+    lp = nblk * bs
+    all_rows = len(dec) == len(sl)
+    idx = None if all_rows else torch.tensor(dec, dtype=torch.long, device=device)
+    bt = meta.block_tables[:, :nblk] if all_rows else meta.block_tables.index_select(0, idx)[:, :nblk]
+    t = torch.arange(lp, device=device)
+    # slot of token t of a row: block_table[t // bs] * bs + t % bs
+    slots = bt.long().repeat_interleave(bs, dim=1) * bs + t % bs  # [n, Lp]
+    ok_pos = t[None, :] < torch.tensor(lens, device=device)[:, None]  # [n, Lp]
+    group = num_heads // num_kv_heads
+    same_head = (torch.arange(num_heads, device=device)[:, None] // group
+                 == torch.arange(num_kv_heads, device=device)[None, :])  # [Hq, Hkv]
+    ok = ok_pos[:, None, :, None] & same_head[None, :, None, :]  # [n, Hq, Lp, Hkv]
+    mask = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+    q_rows = None if all_rows else torch.tensor([qsl[i] for i in dec], dtype=torch.long, device=device)
+    return CpuAttentionPlan(q_rows, len(dec), slots.reshape(-1),
+                            mask.view(len(dec), num_heads, lp * num_kv_heads), lp, prompts)
+
+
+def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        meta, scale: float, plan: CpuAttentionPlan) -> torch.Tensor:
+    """q [T, Hq, D], k / v [T, Hkv, D] (this step's, already in the cache) -> [T, Hq, D]."""
+    t, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    out = torch.empty_like(q)
+    cdt = torch.float32
+    if plan.num_decode:
+        n, lp = plan.num_decode, plan.padded_len
+        nb, bs = kv_cache.shape[1], kv_cache.shape[2]
+        # NOTE: one gather for K and V: [2, n * Lp, Hkv * D], contiguous per row
+        kv = kv_cache.view(2, nb * bs, hkv * d).index_select(1, plan.slots)
+        if kv.dtype != cdt:
+            kv = kv.to(cdt)
+        kk = kv[0].view(n, lp * hkv, d)
+        vv = kv[1].view(n, lp * hkv, d)
+        qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
+        s = torch.baddbmm(plan.mask, qd.to(cdt), kk.transpose(1, 2), alpha=scale)  # [n, Hq, Lp*Hkv]
+        o = torch.bmm(s.softmax(dim=-1), vv).to(q.dtype)  # [n, Hq, D]
+        if plan.decode_rows is None:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, plan.decode_rows, o)
+    for qs, qe, ctx, i in plan.prompt_rows:
+        ql = qe - qs
+        qi = q[qs:qe].to(cdt).transpose(0, 1)  # [Hq, ql, D]
+        fresh = ctx == ql and k.dtype == kv_cache.dtype  # (as stored: no rounding skipped)
+        if fresh:  # no cached context: this step's K/V are the whole context
+            ki, vi = k[qs:qe], v[qs:qe]
+        else:
+            from engine.layers.attention import gather_kv_torch
+
+            ki, vi = gather_kv_torch(kv_cache, meta.block_tables[i], ctx, cdt)
+        ki = ki.to(cdt).transpose(0, 1)  # [Hkv, ctx, D]
+        vi = vi.to(cdt).transpose(0, 1)
+        if fresh:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # query row j sits at position ctx - ql + j; it sees keys 0 .. ctx - ql + j
+            pos_q = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[qs:qe] = o.transpose(0, 1).to(q.dtype)
+    return out
