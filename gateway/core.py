@@ -28,7 +28,8 @@ from common import telemetry
 from common.convert import params_to_pb as request_params_pb
 from common.metrics import ServiceMetrics
 from common.telemetry import GenAI
-from gateway.admission import AdmissionConfig, AdmissionQueue, Decision, Predictor, decide
+from gateway.admission import AdmissionConfig, Decision, Predictor, decide
+from gateway.admission_queue import AdmissionQueue
 from gateway.routing import PrefixIndex, Replica, ReplicaPool, Route, order_decode, order_prefill
 from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid
 

@@ -3,8 +3,8 @@ import asyncio
 
 import pytest
 
-from gateway.admission import (AdmissionConfig, AdmissionQueue, Decision, LoadView, Prediction,
-                               Predictor, decide)
+from gateway.admission import AdmissionConfig, Decision, LoadView, Prediction, Predictor, decide
+from gateway.admission_queue import AdmissionQueue
 
 
 def pred(ttft, idle_ttft, tpot=10.0, idle_tpot=10.0, full=False):

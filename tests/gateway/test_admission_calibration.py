@@ -8,8 +8,9 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from gateway.admission import (AdmissionConfig, AdmissionQueue, Calibrator, Decision, LoadView,
-                               OnlineLinear, Prediction, Predictor, decide)
+from gateway.admission import AdmissionConfig, Decision, LoadView, Prediction, Predictor, decide
+from gateway.admission_queue import AdmissionQueue
+from gateway.calibration import Calibrator, OnlineLinear
 from gateway.types import GatewayError, GenRequest
 from tests.gateway.conftest import make_stack
 
