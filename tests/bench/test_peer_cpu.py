@@ -19,6 +19,8 @@ def test_parse_streams_and_variant():
     assert pc.parse_variant("split:") == ("split", [])
     assert pc.parse_variant("pod:--gateway-arg=--prefill-on-decode=always --cpu-threads 2") == (
         "pod", ["--gateway-arg=--prefill-on-decode=always", "--cpu-threads", "2"])
+    assert pc.parse_variant("split") == ("split", ["--topology", "split"])  # up's split services
+    assert pc.parse_variant("colocated") == ("colocated", ["--topology", "colocated"])
     for bad in ("nocolon", ":--x"):
         with pytest.raises(ValueError):
             pc.parse_variant(bad)
