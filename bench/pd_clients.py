@@ -247,10 +247,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_MODEL_LABEL = re.compile(r'model_name="(?:[^"\\]|\\.)*",?')
+
+
+def strip_model_name(text: str) -> str:
+    """Prometheus text without the model_name label every series carries (one model served)."""
+    return _MODEL_LABEL.sub("", text).replace(",}", "}").replace("{}", "")
+
+
 def scrape_metrics(url: str, name: str) -> dict[str, float]:
     """The Prometheus text at url/metrics -> {'name{labels}': value} for the series whose name
-    starts with a match of the regex `name`."""
-    text = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5).read().decode()
+    starts with a match of the regex `name` (model_name label left out)."""
+    text = strip_model_name(urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5).read().decode())
     out = {}
     for ln in text.splitlines():
         m = re.match(rf"^((?:{name})\S*)\s+(\S+)$", ln)

@@ -45,7 +45,7 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     register(server) adds the servicers and returns their full service names; started(port)
     runs once bound (before SERVING), e.g. to learn the advertised address."""
     await engine.start()
-    metrics = get_metrics(service)
+    metrics = get_metrics(service, engine.info()["model"])
     server = create_server()
     names = register(server)
     hs = add_health_and_reflection(server, names)

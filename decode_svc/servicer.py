@@ -173,6 +173,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+            self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
             try:
                 async with contextlib.aclosing(self._stream(rid, request, params, 0.0, here=True)) as st:
                     async for resp in st:
@@ -210,6 +211,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 q.put_nowait(e)
 
         n_gen, t_last, first_msg, outcome = int(not here), time.perf_counter(), True, "abort"
+        t_first = None if here else t_last  # the first token's time: decode time starts there
         pump_task = None
         try:
             if stop is not None:  # the first token already completed a stop string
@@ -237,7 +239,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     outcome = "error"
                     raise RuntimeError(out.error or "engine error")
                 now = time.perf_counter()
-                if out.new_token_ids:
+                if out.queue_s is not None:  # prefill_here: this engine queued and prefilled it
+                    self.metrics.queue_time.observe(out.queue_s)
+                    self.metrics.prefill_time.observe(out.prefill_s)
+                if t_first is None:
+                    t_first = now
+                elif out.new_token_ids:
                     self.metrics.itl.observe(now - t_last)
                 t_last = now
                 n_gen += len(out.new_token_ids)
@@ -254,11 +261,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         text += detok.flush()
                 lps = [logprob_to_pb(lp, t) for lp, t in zip(out.logprobs, out.new_token_ids)
                        if lp is not None] if out.logprobs else []
+                if reason is not None:
+                    # NOTE: before the yield: a caller that closes the stream on reading the
+                    # last message never resumes us, and this request did finish
+                    outcome = reason
+                    self.metrics.decode_time.observe(now - t_first)
                 yield self._msg(out.new_token_ids, text if text_out else "", lps, reason, stop or "",
                                 wait_ms if first_msg else 0.0, n_gen)
                 first_msg = False
                 if reason is not None:
-                    outcome = reason
                     return
         finally:
             if self._running.get(rid, (None,))[0] is pump_task:
@@ -268,6 +279,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 # NOTE: if add_prefilled was still queued, the abort below runs after it (FIFO)
                 asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
             self.metrics.requests.labels(outcome=outcome).inc()
+            if outcome != "error":
+                self.metrics.request_generation_tokens.observe(n_gen)
 
     @staticmethod
     def _msg(ids, text, lps, reason, stop, wait_ms, n_gen):

@@ -234,12 +234,15 @@ class Engine(DisaggregationMixin):
             if rid not in live:
                 continue
             done = rid in finished or r.finished
+            first = len(r.output_token_ids) == 1 and r.scheduled_time is not None
             outputs.append(RequestOutput(
                 rid, [sampled[rid]], finished=done,
                 finish_reason=r.status.value if done else None,
                 logprobs=[r.output_logprobs[-1]] if r.params.logprobs is not None else [],
                 num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens,
-                block_ids=self.kv.block_ids(rid) if done and r.prefill_only else None))
+                block_ids=self.kv.block_ids(rid) if done and r.prefill_only else None,
+                queue_s=r.scheduled_time - r.arrival_time if first else None,
+                prefill_s=r.first_token_time - r.scheduled_time if first else None))
             if done and not r.prefill_only:
                 self.requests.pop(rid, None)
         return outputs
@@ -292,6 +295,7 @@ class Engine(DisaggregationMixin):
             "recent_step_ms": [round(t * 1e3, 3) for t in st[-16:]],
             "num_steps": self.num_steps, "num_generated_tokens": self.num_generated,
             "num_overlapped_steps": self.num_overlapped_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
             **kvs,
             **self.runner.graph_metrics(),
         }

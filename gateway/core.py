@@ -402,6 +402,7 @@ class GatewayCore:
         route = route if route is not None else Route()
         await self.admit(req, route)  # raises RESOURCE_EXHAUSTED when rejected
         t_admitted = time.monotonic()
+        self.metrics.queue_time.observe(t_admitted - req.arrival)
         dec = self._decode_here(route)  # prefill on the decode replica itself (or None: split)
         ticket = pre = None
         try:
@@ -441,9 +442,12 @@ class GatewayCore:
             tpot = (now - t_first) / (n_gen - 1) if n_gen > 1 and t_first is not None else None
             if tpot is not None:
                 self._observe_outcome(req, route, None, tpot * 1e3)
+                self.metrics.tpot.observe(tpot)
             self.metrics.e2e.observe(total_ms / 1e3)
             self.metrics.prompt_tokens.inc(n_prompt)
             self.metrics.generation_tokens.inc(n_gen)
+            self.metrics.request_prompt_tokens.observe(n_prompt)
+            self.metrics.request_generation_tokens.observe(n_gen)
             telemetry.set_attrs(sp, telemetry.usage_attributes(
                 n_prompt, n_gen, cached_tokens=cached,
                 ttft_s=ttft_ms / 1e3 if ttft_ms is not None else None,

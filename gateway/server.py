@@ -46,7 +46,7 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
         if core_ref:
             core_ref[0].queue.notify()
 
-    metrics = get_metrics("gateway")
+    metrics = get_metrics("gateway", meta["name"])
     prefill = ReplicaPool("prefill", list(cfg.prefill), prefill_pb2_grpc.PrefillStub, on_update, metrics)
     decode = ReplicaPool("decode", list(cfg.decode), decode_pb2_grpc.DecodeStub, on_update, metrics)
     core = GatewayCore(model_name=meta["name"], tokenizer=meta["tokenizer"],

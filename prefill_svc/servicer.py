@@ -142,6 +142,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         await asyncio.shield(rel)
             self.metrics.observe_kv_transfer("send", nbytes, t_sent - t_first)
             self.metrics.prompt_tokens.inc(len(prompt))
+            self.metrics.request_prompt_tokens.observe(len(prompt))
+            if first.queue_s is not None:
+                self.metrics.queue_time.observe(first.queue_s)
+                self.metrics.prefill_time.observe(first.prefill_s)
             self.metrics.requests.labels(outcome="prefilled").inc()
             self._prompt_tokens += len(prompt)
             tok = first.new_token_ids[0]

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from bench.pd_clients import strip_model_name
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -240,7 +241,8 @@ async def test_client_cancel_frees_kv_on_both(services, stub):
     await wait_idle(services)
     # REST, not streaming: the client gives up while the gateway is still generating
     def aborts(text):
-        line = [x for x in text.splitlines() if x.startswith('splitserve_requests_total{outcome="abort"}')]
+        line = [x for x in strip_model_name(text).splitlines()
+                if x.startswith('splitserve_requests_total{outcome="abort"}')]
         return float(line[0].split()[-1]) if line else 0.0
 
     async with httpx.AsyncClient(base_url=services.http_url, timeout=30) as c:
@@ -256,4 +258,5 @@ async def test_client_cancel_frees_kv_on_both(services, stub):
         await wait_idle(services)
         m = (await c.get("/metrics")).text
     assert aborts(m) == before + 1  # it was cancelled, not run to the end
-    assert f'splitserve_replica_up{{replica="{services.decodes[0].address}",role="decode"}} 1.0' in m
+    assert (f'splitserve_replica_up{{replica="{services.decodes[0].address}",role="decode"}} 1.0'
+            in strip_model_name(m))

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from bench.pd_clients import strip_model_name
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -273,7 +274,7 @@ async def test_gpu_decode_serves_through_captured_graphs(client, services):
     def scrape() -> dict[str, float]:
         body = urllib.request.urlopen(f"http://127.0.0.1:{dec.metrics_port}/metrics", timeout=5).read()
         out = {}
-        for line in body.decode().splitlines():
+        for line in strip_model_name(body.decode()).splitlines():
             if line.startswith("splitserve_cuda_graph"):
                 k, _, v = line.rpartition(" ")
                 out[k] = float(v)

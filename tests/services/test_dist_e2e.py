@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+from bench.pd_clients import strip_model_name
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -70,7 +71,8 @@ async def _idle(pre, dec, timeout_s=10.0):
 
 
 def _metric(proc, name):
-    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
+    body = strip_model_name(urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics",
+                                                   timeout=5).read().decode())
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
             if line.startswith(name)}
 

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from bench.pd_clients import strip_model_name
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ def services():
 
 
 def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = strip_model_name(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
     m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
