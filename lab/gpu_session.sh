@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the benchmarks. Logs and JSON go to $OUT
-# (or lab/results when OUT is unset). Usage: bash lab/gpu_session.sh [tests|ktests|gtests|overlap|engine|sweep|candidate|variants|profile|ab|services ...]
+# (or lab/results when OUT is unset). Usage: bash lab/gpu_session.sh [tests|ktests|gtests|fa4|overlap|engine|sweep|candidate|variants|profile|ab|services ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-lab/results}
@@ -23,6 +23,16 @@ for s in $steps; do
         | tee "$OUT/gpu_overlap.log" | tail -6
       timeout 300 python3 -m bench.decode_loop --arrivals ${LOOP_ARGS:-} 2>&1 | tee "$OUT/decode_loop.log" \
         | grep -v "splitserve\." | tail -8 ;;
+    fa4)  # FlashAttention-4 (lab/fa4_wheels.sh): install from /tmp/fa4 + .fa4/part2, test, compare
+      if [ -f /tmp/fa4/cutlass_dsl_libs_cu13.tar.xz ] && [ -d .fa4/part2 ]; then
+        mkdir -p /tmp/site && tar -xJf /tmp/fa4/cutlass_dsl_libs_cu13.tar.xz -C /tmp/site \
+          && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4/part2/*.whl \
+          && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.__version__)" 2>&1 | tail -3
+      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_flash_attention.py 2>&1 \
+        | tee "$OUT/gpu_fa4.log" | tail -12
+      timeout 300 python3 -m bench.attention_backends_gpu 2>&1 | tee "$OUT/attention_backends.log" | tail -20 ;;
     gtests)
       timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_gtests.log" | tail -8 ;;
     ktests)

@@ -8,18 +8,12 @@ from engine.layers.attention import AttentionBackend, TorchAttentionBackend
 
 def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
                           head_dim: int, kernels: KernelOptions = DEFAULT_KERNELS) -> AttentionBackend:
-    """Pick a backend by config name. 'auto': flash_attn if it imports (cuda), triton on
-    cuda, torch on cpu. Backends register lazily so CPU installs need neither. kernels: the
-    engine's KernelOptions (the model's set_kernels hands them on as well)."""
+    """Pick a backend by config name. 'auto': triton on cuda, torch on cpu; flash_attn runs
+    only when named (`bench/attention_backends_gpu.py` compares it with triton). Backends
+    register lazily so CPU installs need neither. kernels: the engine's KernelOptions (the
+    model's set_kernels hands them on as well)."""
     if name == "auto":
         name = "torch" if device == "cpu" else "triton"
-        if device != "cpu":
-            try:
-                import flash_attn  # noqa: F401
-
-                name = "flash_attn"
-            except ImportError:
-                pass
     if name == "torch":
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, kernels=kernels)
     if name == "triton":
