@@ -170,8 +170,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--prefill-port", type=int, default=50061)
     p.add_argument("--decode-port", type=int, default=50071)
-    p.add_argument("--metrics-ports", default=None,
-                   help="prefill,decode Prometheus ports (e.g. 9101,9102; default off)")
+    p.add_argument("--metrics-ports", default=os.environ.get("SPLITSERVE_METRICS_PORTS", "9101,9102"),
+                   help="prefill,decode Prometheus /metrics ports (0: a free one; 'off': none; "
+                        "default 9101,9102; SPLITSERVE_METRICS_PORTS)")
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra flag for the gateway only (repeat), e.g. --gateway-arg=--default-ttft-ms=500")
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -249,7 +250,7 @@ def served_model_name(grpc_addr: str) -> str | None:
 
 
 def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, gport, hport,
-           pport, dport) -> str:
+           pport, dport, mports=("-1", "-1")) -> str:
     host = _connect_host(a.host)
     h = f"[{host}]" if ":" in host else host
     name = served_model_name(f"{h}:{gport}")
@@ -261,6 +262,8 @@ def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, g
         export += f" --served-model-name {served_flag[served_flag.index('--served-model-name') + 1]}"
     rest = (f"http://{h}:{hport}/v1   (also /tokenize, /detokenize, /health, /metrics)"
             if str(hport) != "-1" else "off")
+    metrics = "   ".join(f"{n} http://{h}:{p}/metrics" for n, p in zip(("prefill", "decode"), mports)
+                           if str(p) != "-1") or "prefill / decode off (--metrics-ports)"
     how = (f"colocated: prompts prefilled on decode, {a.decode_threads} threads"
            if getattr(a, "resolved_topology", "split") == "colocated"
            else f"split, KV transfer: {backend or 'auto'}")
@@ -271,6 +274,7 @@ def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, g
             f"  tokenizer      `{export}` writes it as a HF tokenizer directory "
             f"(./{name or '<model name>'}) for benchmark tools\n"
             f"  prefill        {h}:{pport}\n  decode         {h}:{dport}\n"
+            f"  metrics        {metrics}\n"
             f"Ctrl-C stops all three.")
 
 
@@ -295,7 +299,8 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                         or os.environ.get("SPLITSERVE_CPU_THREADS") or "default")
     from common.grpc_util import PortInUseError, check_ports_free
 
-    mp = a.metrics_ports.split(",") if a.metrics_ports else [None, None]
+    off = not a.metrics_ports or a.metrics_ports.strip().lower() == "off"
+    mp = [None, None] if off else a.metrics_ports.split(",")
     if len(mp) != 2 or not all(x is None or x.strip().isdigit() for x in mp):
         print(f"splitserve up: --metrics-ports takes two ports, prefill,decode (e.g. 9101,9102); "
               f"got {a.metrics_ports!r}", file=sys.stderr)
@@ -339,7 +344,8 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                               env))
         ready = wait_ready(children, a.ready_timeout)
         gport, hport = ready["gateway"][0], ready["gateway"][1]
-        print(banner(a, engine_args, backend, gport, hport, pport, dport), flush=True)
+        print(banner(a, engine_args, backend, gport, hport, pport, dport,
+                     (ready["prefill"][1], ready["decode"][1])), flush=True)
         while stop["sig"] is None:
             dead = [c for c in children if not c.alive()]
             if dead:

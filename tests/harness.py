@@ -206,7 +206,8 @@ def start_stack(engine_args: list[str] = TINY_CPU, *, n_prefill: int = 1,
 
 # ---- `splitserve up` ---------------------------------------------------------------------------
 
-UP_PORTS = ["--http-port", "0", "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0"]
+UP_PORTS = ["--http-port", "0", "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0",
+            "--metrics-ports", "0,0"]
 
 
 @dataclass
