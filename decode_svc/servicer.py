@@ -174,7 +174,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
             self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
-            self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
             try:
                 async with contextlib.aclosing(self._stream(rid, request, params, 0.0, here=True)) as st:
                     async for resp in st:
@@ -212,7 +211,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 q.put_nowait(e)
 
         n_gen, t_last, first_msg, outcome = int(not here), time.perf_counter(), True, "abort"
-        t_first = None if here else t_last  # the first token's time: decode time starts there
         t_first = None if here else t_last  # the first token's time: decode time starts there
         pump_task = None
         try:

@@ -296,7 +296,6 @@ class Engine(DisaggregationMixin):
             "num_steps": self.num_steps, "num_generated_tokens": self.num_generated,
             "num_overlapped_steps": self.num_overlapped_steps,
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_preemptions": self.scheduler.num_preemptions,
             **kvs,
             **self.runner.graph_metrics(),
         }

@@ -48,7 +48,6 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     first_token_time: float | None = None
     scheduled_time: float | None = None  # first scheduled (monotonic): ends its queue time
-    scheduled_time: float | None = None  # first scheduled (monotonic): ends its queue time
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -80,10 +79,6 @@ class RequestOutput:
     # a finished prefill-only request: the blocks holding its prompt's KV, in order (they stay
     # held until release), so a handoff needs no second trip to the engine thread
     block_ids: list[int] | None = None
-    # the output carrying a request's first sampled token: seconds it waited to be scheduled
-    # and from then to that token (None on later outputs and on requests joined prefilled)
-    queue_s: float | None = None
-    prefill_s: float | None = None
     # the output carrying a request's first sampled token: seconds it waited to be scheduled
     # and from then to that token (None on later outputs and on requests joined prefilled)
     queue_s: float | None = None

@@ -32,7 +32,6 @@ FINISHED_LENGTH before it could outgrow the cache, so preemption cannot loop for
 from __future__ import annotations
 
 import time
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -239,8 +238,6 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_preemptions == 0:
                 req.num_cached_tokens = hit
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING

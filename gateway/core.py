@@ -403,7 +403,6 @@ class GatewayCore:
         await self.admit(req, route)  # raises RESOURCE_EXHAUSTED when rejected
         t_admitted = time.monotonic()
         self.metrics.queue_time.observe(t_admitted - req.arrival)
-        self.metrics.queue_time.observe(t_admitted - req.arrival)
         dec = self._decode_here(route)  # prefill on the decode replica itself (or None: split)
         ticket = pre = None
         try:

@@ -14,7 +14,6 @@ import openai
 import pytest
 
 from bench.pd_clients import strip_model_name
-from bench.pd_clients import strip_model_name
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
