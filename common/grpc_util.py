@@ -107,16 +107,29 @@ def run(main: Callable[[], Awaitable[int | None]]) -> int:
     return asyncio.run(main()) or 0
 
 
-def create_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=server_options())
+def create_server(auth=None, interceptors=()) -> grpc.aio.Server:
+    """auth: common.auth.InternalAuth of an internal service (its credentials are checked on
+    every RPC but health), None for a public one; interceptors: more, after auth's."""
+    icpt = [*(auth.server_interceptors() if auth is not None else ()), *interceptors]
+    return grpc.aio.server(options=server_options(), interceptors=icpt or None)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind insecure host:port (port 0 -> a free one); returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, auth=None) -> int:
+    """Bind host:port (port 0 -> a free one); returns the bound port. auth: anything with
+    add_port(server, address) (common.auth.InternalAuth, gateway.auth.PublicAuth: TLS)."""
+    addr = f"{host}:{port}"
+    bound = auth.add_port(server, addr) if auth is not None else server.add_insecure_port(addr)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     return bound
+
+
+def open_channel(address: str, auth=None, options=None) -> grpc.aio.Channel:
+    """A client channel to an internal service: with auth (common.auth.InternalAuth) every call
+    carries its credentials; None: a plain insecure channel."""
+    if auth is not None:
+        return auth.channel(address, options)
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]
@@ -170,13 +183,17 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def service_main(name: str, parse_args, amain, argv=None) -> int:
     """The shared `main()` of prefill_svc / decode_svc: parse flags (SPLITSERVE_* defaults are
-    read and checked there), check the ports, set up logging, serve until stopped. Exit 2 on
-    bad flags, a busy port or a model that cannot load (PortInUseError / ConfigError /
+    read and checked there), load the internal credentials (args.internal_auth), check the
+    ports, set up logging, serve until stopped. Exit 2 on bad flags, missing credentials, a
+    busy port or a model that cannot load (PortInUseError / ConfigError /
     ModelLoadError are ValueErrors)."""
     from common.log import setup_logging
 
+    from common.auth import internal_auth_from_args
+
     try:
         args = parse_args(argv)
+        args.internal_auth = internal_auth_from_args(args)  # no secret: refuse to start
         check_ports_free(args.host, [(f"{name} gRPC", args.port),
                                      (f"{name} metrics", getattr(args, "metrics_port", None))])
         setup_logging(args.log_level, name)

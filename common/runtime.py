@@ -46,10 +46,11 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     runs once bound (before SERVING), e.g. to learn the advertised address."""
     await engine.start()
     metrics = get_metrics(service, engine.info()["model"])
-    server = create_server()
+    auth = getattr(args, "internal_auth", None)  # common.auth.InternalAuth (service_main)
+    server = create_server(auth)
     names = register(server)
     hs = add_health_and_reflection(server, names)
-    port = bind(server, args.host, args.port)
+    port = bind(server, args.host, args.port, auth)
     if started is not None:
         started(port)
     await server.start()

@@ -10,6 +10,7 @@ import os
 import socket
 from typing import Callable, Sequence
 
+from common.auth import add_args as add_auth_args
 from common.envs import env_bool, env_float, env_int, env_str
 from engine.config import (ASYNC_SCHEDULING, CacheConfig, ConfigError, DeviceConfig, EngineConfig,
                            ModelConfig, SchedulerConfig)
@@ -26,6 +27,7 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--log-level", default=None, help="DEBUG/INFO/WARNING (SPLITSERVE_LOG_LEVEL)")
     p.add_argument("--ready-file", default=None,
                    help="write 'grpc_port metrics_port' here once serving (tests, supervisors)")
+    add_auth_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -22,6 +22,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reservation-timeout-s", type=float,
                    default=env_float("SPLITSERVE_RESERVATION_TIMEOUT_S", 30.0),
                    help="free a reservation whose KV / Decode call has not come by then")
+    p.add_argument("--reserve-ttl-s", type=float, default=env_float("SPLITSERVE_RESERVE_TTL_S", 60.0),
+                   help="longest a reservation may hold KV blocks, whatever Reserve.timeout_ms asks")
     p.add_argument("--transfer-timeout-s", type=float,
                    default=env_float("SPLITSERVE_TRANSFER_TIMEOUT_S", 30.0),
                    help="how long a Decode call waits for its KV")
@@ -62,9 +64,10 @@ async def amain(args) -> int:
         if backend == "dist":
             from kvtransfer.backends.dist import DistPlane, DistRendezvous
 
-            rdv = holder["rdv"] = DistRendezvous(host, args.kv_store_port, t)
+            rdv = holder["rdv"] = DistRendezvous(host, args.kv_store_port, t, bind_host=args.host)
             pair = local_endpoint(info["device"], rdv.address)
-            planes[pair_transport(pair.device)] = lambda: DistPlane(rdv, pair, host, t)
+            planes[pair_transport(pair.device)] = lambda: DistPlane(rdv, pair, host, t,
+                                                                    auth=args.internal_auth)
             accepted = ["dist", "grpc"]
         elif backend == "nixl":
             from kvtransfer.backends.nixl import NixlPlane, make_agent, register_kv_caches
@@ -90,7 +93,8 @@ async def amain(args) -> int:
         svc = DecodeServicer(engine, rx, get_metrics("decode"),
                              reservation_timeout_s=args.reservation_timeout_s,
                              transfer_timeout_s=args.transfer_timeout_s, owner=owner,
-                             kv_backends=accepted, pair=pair)
+                             kv_backends=accepted, pair=pair, auth=args.internal_auth,
+                             max_reservation_s=args.reserve_ttl_s)
         kvsvc = PoolKVTransferService(rx, planes, max_layer_bytes=layout.layer_nbytes(info["num_blocks"]),
                                       pool_importer=importer)
         svc.device_id = device_id(pair or local_endpoint(info["device"]))

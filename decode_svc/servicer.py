@@ -8,6 +8,11 @@ Lifecycle of one request:
   finished   stop / length / stop string / abort; blocks freed by the engine
 A reservation whose KV or Decode call never comes is failed by the receiver's reaper at its
 deadline and its blocks released; a cancelled Decode stream aborts the request (blocks freed).
+
+Trust: the caller never sets how long blocks stay held (Reserve's timeout_ms is capped at
+max_reservation_s); tickets are signed (common.auth.sign_ticket); a request belongs to the
+caller process that reserved it (common.auth.caller_id): Decode, Release and Abort from
+another caller are PERMISSION_DENIED.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import uuid
 
 import grpc
 
+from common.auth import InternalAuth, caller_id, sign_ticket
 from common.convert import FINISH_REASONS, load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import server_span, set_attrs
@@ -36,12 +42,16 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine, receiver: KVReceiver, metrics, *, address: str = "",
                  reservation_timeout_s: float = 30.0, transfer_timeout_s: float = 30.0,
-                 owner: dict[str, str] | None = None, kv_backends=("grpc",), pair=None):
+                 owner: dict[str, str] | None = None, kv_backends=("grpc",), pair=None,
+                 auth: InternalAuth | None = None, max_reservation_s: float = 60.0):
         self.engine = engine              # AsyncEngine
         self.receiver = receiver
         self.metrics = metrics
         self.address = address            # host:port written into tickets (set once bound)
-        self.reservation_timeout_s = reservation_timeout_s
+        self.max_reservation_s = max_reservation_s  # cap of a caller's Reserve.timeout_ms
+        self.reservation_timeout_s = min(reservation_timeout_s, max_reservation_s)
+        self.auth = auth                  # signs tickets (None: unsigned, insecure plane)
+        self._callers: dict[str, str] = {}  # request id -> caller_id of the process that owns it
         self.transfer_timeout_s = transfer_timeout_s
         self._reserved_tokens: dict[str, int] = {}  # transfer id -> prompt tokens
         self._running: dict[str, tuple] = {}  # request id -> (pump task, its output queue)
@@ -62,6 +72,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if rid in self._running:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request id {rid!r} is already decoding")
+            await self._check_caller(rid, context)
             # A Reserve for an id that holds an unclaimed reservation is a retry (e.g. the
             # gateway moved to another prefill replica): the new one replaces the old.
             # NOTE: ownership moves to the new transfer id *before* anything is queued on the
@@ -73,6 +84,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self._reserved_tokens.pop(old.transfer_id, None)
             tid = uuid.uuid4().hex
             self.owner[rid] = tid
+            self._callers[rid] = caller_id(context)
             try:  # frees what a failed / replaced earlier reservation of the id still holds
                 blocks = await self.engine.reserve_replacing(rid, n)
             except (InvalidRequestError, ValueError) as e:
@@ -84,19 +96,33 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"no room for {n} prompt tokens: {st.get('num_free_blocks')} of "
                                     f"{st.get('num_blocks')} KV blocks free")
-            timeout = request.timeout_ms / 1e3 if request.timeout_ms else self.reservation_timeout_s
+            # NOTE: the caller may shorten the hold, never extend it past our cap
+            timeout = min(request.timeout_ms / 1e3 if request.timeout_ms else self.reservation_timeout_s,
+                          self.max_reservation_s)
             self.receiver.expect(tid, rid, len(blocks), n, timeout, block_ids=blocks)
             self._reserved_tokens[tid] = n
             lay = self.receiver.layout
             ticket = common_pb2.TransferTicket(
                 transfer_id=tid, decode_address=self.address, block_ids=blocks,
                 block_size=lay.block_size, num_tokens=n, expires_ms=int(timeout * 1e3),
+                expires_unix_ms=int((time.time() + timeout) * 1e3),
                 layout=common_pb2.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                                            head_dim=lay.head_dim, dtype=lay.dtype),
                 kv_backends=self.kv_backends)
             if self.pair is not None:
                 ticket.pair.CopyFrom(self.pair.to_pb())
+            sign_ticket(self.auth, ticket, rid)
             return decode_pb2.ReserveResponse(ticket=ticket)
+
+    async def _check_caller(self, rid: str, context) -> None:
+        """PERMISSION_DENIED unless rid is free or held by this caller's process."""
+        held = self._callers.get(rid)
+        if held is not None and held != caller_id(context) and self._holds(rid):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"request {rid!r} belongs to another client")
+
+    def _holds(self, rid: str) -> bool:
+        return rid in self._running or self.receiver.find_request(rid) is not None
 
     def _disown(self, rid: str, tid: str) -> None:
         if self.owner.get(rid) == tid:
@@ -117,6 +143,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if t.request_id != rid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"transfer {tid!r} belongs to request {t.request_id!r}, not {rid!r}")
+            await self._check_caller(rid, context)
             try:
                 params = params_from_pb(request.params)
                 want = self._reserved_tokens.get(tid)
@@ -165,7 +192,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             try:
                 if not rid:
                     raise InvalidRequestError("request_id is required")
-                if rid in self._running or self.receiver.find_request(rid) is not None:
+                if self._holds(rid):
                     raise InvalidRequestError(f"request id {rid!r} is already in use here")
                 if not request.prompt_token_ids:
                     raise InvalidRequestError("prompt_token_ids is empty")
@@ -173,6 +200,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+            self._callers[rid] = caller_id(context)
             self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
             try:
                 async with contextlib.aclosing(self._stream(rid, request, params, 0.0, here=True)) as st:
@@ -274,6 +302,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             if self._running.get(rid, (None,))[0] is pump_task:
                 self._running.pop(rid, None)
+                self._callers.pop(rid, None)
             if pump_task is not None and not pump_task.done():
                 pump_task.cancel()  # closing the engine stream aborts the request
                 # NOTE: if add_prefilled was still queued, the abort below runs after it (FIFO)
@@ -291,14 +320,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     # ---- Release / Abort / Load -------------------------------------------------------
     async def Release(self, request: decode_pb2.ReleaseRequest, context):
-        return decode_pb2.ReleaseResponse(found=await self._drop(request, "released"))
+        return decode_pb2.ReleaseResponse(found=await self._drop(request, "released", context))
 
     async def Abort(self, request: decode_pb2.ReleaseRequest, context):
-        return decode_pb2.ReleaseResponse(found=await self._drop(request, "aborted"))
+        return decode_pb2.ReleaseResponse(found=await self._drop(request, "aborted", context))
 
-    async def _drop(self, request, why: str) -> bool:
+    async def _drop(self, request, why: str, context) -> bool:
         rid, tid = request.request_id, request.transfer_id
         t = self.receiver.get(tid) if tid else self.receiver.find_request(rid)
+        await self._check_caller(t.request_id if t is not None else rid, context)
         if t is not None and not t.claimed and self.receiver.fail(
                 t.transfer_id, f"{why} by the caller{': ' + request.reason if request.reason else ''}"):
             self._reserved_tokens.pop(t.transfer_id, None)
@@ -316,6 +346,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         pending = {t.transfer_id for t in self.receiver.pending()}
         for tid in [k for k in self._reserved_tokens if k not in pending]:
             self._reserved_tokens.pop(tid, None)  # expired / failed reservations
+        for rid in [r for r in self._callers if not self._holds(r)]:
+            self._callers.pop(rid, None)  # their requests ended or expired
         return load_to_pb(self.engine.stats(), reserved=len(pending), device_id=self.device_id,
                           queued_tokens=sum(self._reserved_tokens.values()),
                           tokens_per_s=int(self._rate.update(self._generated)))

@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from common.auth import InternalAuth
+from common.auth import add_args as add_internal_auth_args
+from common.auth import internal_auth_from_args
 from common.envs import env_float, env_int, env_str
 from gateway.admission import AdmissionConfig
 
@@ -32,6 +35,12 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     log_level: str | None = None
     ready_file: str | None = None
+    # credentials of the internal plane (channels to prefill / decode); None: insecure
+    internal_auth: InternalAuth | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: the public front is open
+    tls_cert: str | None = None  # REST and public gRPC over TLS (with tls_key)
+    tls_key: str | None = None
+    max_concurrency_per_key: int | None = None
 
     def __post_init__(self):
         if self.prefill_on_decode not in PREFILL_ON_DECODE:
@@ -93,6 +102,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "short-prompt TTFT and ITL p99")
     p.add_argument("--ready-file", default=None,
                    help="write 'grpc_port http_port' here once serving")
+    g = p.add_argument_group("public front")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="accept this API key (repeat; also --api-key-file and SPLITSERVE_API_KEY, "
+                        "comma-separated): REST needs 'Authorization: Bearer <key>', gRPC the "
+                        "same as 'authorization' metadata; /health and /metrics stay open")
+    g.add_argument("--api-key-file", default=env_str("SPLITSERVE_API_KEY_FILE"),
+                   help="file with one API key per line")
+    g.add_argument("--tls-cert", default=env_str("SPLITSERVE_TLS_CERT"),
+                   help="serve REST and gRPC over TLS with this certificate (PEM, with --tls-key)")
+    g.add_argument("--tls-key", default=env_str("SPLITSERVE_TLS_KEY"))
+    g.add_argument("--max-concurrency-per-key", type=int,
+                   default=env_int("SPLITSERVE_MAX_CONCURRENCY_PER_KEY"),
+                   help="running requests per API key (all callers together without keys); "
+                        "more: 429 / RESOURCE_EXHAUSTED")
+    add_internal_auth_args(p)
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
@@ -100,8 +124,12 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     loads (raises common.grpc_util.PortInUseError, a ValueError, naming a busy one)."""
     from common.grpc_util import check_ports_free
 
+    from gateway.auth import collect_keys
+
     check_ports_free(a.host, [("gateway gRPC", a.grpc_port), ("gateway REST", a.http_port)])
     return GatewayConfig(
+        internal_auth=internal_auth_from_args(a), api_keys=collect_keys(a.api_key, a.api_key_file),
+        tls_cert=a.tls_cert, tls_key=a.tls_key, max_concurrency_per_key=a.max_concurrency_per_key,
         model=a.model, served_model_name=a.served_model_name, max_model_len=a.max_model_len,
         host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
         prefill=_addrs(a.prefill, DEFAULT_PREFILL), decode=_addrs(a.decode, DEFAULT_DECODE),

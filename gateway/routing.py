@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.grpc_util import open_channel
 from gateway.admission import LoadView, Prediction, Predictor
 
 log = logging.getLogger("splitserve.gateway.routing")
@@ -181,13 +182,14 @@ def order_decode(replicas: list[Replica], predictor: Predictor) -> list[Replica]
 
 
 class ReplicaPool:
-    def __init__(self, role: str, addresses: list[str], stub_cls, on_update=None, metrics=None):
+    def __init__(self, role: str, addresses: list[str], stub_cls, on_update=None, metrics=None,
+                 auth=None):
         if not addresses:
             raise ValueError(f"at least one {role} address is needed")
         self.role = role
         self.replicas = []
         for a in addresses:
-            ch = grpc.aio.insecure_channel(a, options=_channel_options())
+            ch = open_channel(a, auth, _channel_options())  # auth: common.auth.InternalAuth
             self.replicas.append(Replica(a, role, stub_cls(ch), ch))
         self._on_update = on_update  # called after every poll round (admission re-decides)
         self._task: asyncio.Task | None = None

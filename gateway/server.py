@@ -11,6 +11,7 @@ from common import telemetry
 from common.log import setup_logging
 from common.metrics import get_metrics
 from gateway.config import GatewayConfig, add_args, config_from_args
+from gateway.auth import PublicAuth
 from gateway.core import GatewayCore
 from gateway.routing import ReplicaPool
 
@@ -47,8 +48,10 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
             core_ref[0].queue.notify()
 
     metrics = get_metrics("gateway", meta["name"])
-    prefill = ReplicaPool("prefill", list(cfg.prefill), prefill_pb2_grpc.PrefillStub, on_update, metrics)
-    decode = ReplicaPool("decode", list(cfg.decode), decode_pb2_grpc.DecodeStub, on_update, metrics)
+    prefill = ReplicaPool("prefill", list(cfg.prefill), prefill_pb2_grpc.PrefillStub, on_update, metrics,
+                          auth=cfg.internal_auth)
+    decode = ReplicaPool("decode", list(cfg.decode), decode_pb2_grpc.DecodeStub, on_update, metrics,
+                         auth=cfg.internal_auth)
     core = GatewayCore(model_name=meta["name"], tokenizer=meta["tokenizer"],
                        max_model_len=meta["max_model_len"], vocab_size=meta["vocab_size"],
                        eos_token_ids=meta["eos_token_ids"], prefill=prefill, decode=decode,
@@ -66,10 +69,11 @@ async def serve(cfg: GatewayConfig) -> int:
     telemetry.setup_tracing("splitserve-gateway")
     meta = await asyncio.to_thread(load_model_meta, cfg)
     core = build_core(cfg, meta)
-    server = grpc_util.create_server()
+    front = PublicAuth.create(cfg.api_keys, cfg.tls_cert, cfg.tls_key, cfg.max_concurrency_per_key)
+    server = grpc_util.create_server(interceptors=front.grpc_interceptors())
     add_to_server(server, core, cfg.default_max_tokens)
     hs = grpc_util.add_health_and_reflection(server, [SERVICE])
-    grpc_port = grpc_util.bind(server, cfg.host, cfg.grpc_port)
+    grpc_port = grpc_util.bind(server, cfg.host, cfg.grpc_port, front)
     await server.start()
     await core.prefill.poll_once()
     await core.decode.poll_once()
@@ -91,7 +95,8 @@ async def serve(cfg: GatewayConfig) -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.host, cfg.http_port))  # bind here so port 0 is known before serving
         http_port = sock.getsockname()[1]
-        ucfg = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        ucfg = uvicorn.Config(front.wrap_asgi(app), log_level="warning", access_log=False,
+                              lifespan="off", **front.uvicorn_ssl())
         http_server = uvicorn.Server(ucfg)
         http_server.install_signal_handlers = lambda: None  # NOTE: we own SIGINT/SIGTERM
         http_task = asyncio.get_running_loop().create_task(http_server.serve(sockets=[sock]))

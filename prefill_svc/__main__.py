@@ -51,8 +51,10 @@ async def amain(args) -> int:
         layout = KVLayout(num_layers=info["num_layers"], num_kv_heads=info["num_kv_heads"],
                           head_dim=info["head_dim"], dtype=info["kv_dtype"], block_size=info["block_size"])
         local = local_endpoint(info["device"])
-        senders = {"grpc": GrpcKVSender(chunk_bytes=args.kv_chunk_bytes)}
-        pair_kw = dict(op_timeout_s=args.kv_pair_timeout_s, connect_timeout_s=args.kv_pair_timeout_s)
+        auth = args.internal_auth  # every channel to decode carries the internal credentials
+        senders = {"grpc": GrpcKVSender(chunk_bytes=args.kv_chunk_bytes, auth=auth)}
+        pair_kw = dict(op_timeout_s=args.kv_pair_timeout_s, connect_timeout_s=args.kv_pair_timeout_s,
+                       auth=auth)
         if backend == "dist":
             from kvtransfer.backends.dist import DistKVSender
 
@@ -69,11 +71,12 @@ async def amain(args) -> int:
             server_info = {"num_layers": info["num_layers"], "num_blocks": info["num_blocks"],
                            "block_bytes": layout.layer_nbytes(1) // 2}
             name = pool_backend_for(info["device"])
-            senders[name] = PoolKVSender(PoolServer(pool, server_info), name)
+            senders[name] = PoolKVSender(PoolServer(pool, server_info), name, auth=auth)
         metrics = get_metrics("prefill")
         pusher = holder["pusher"] = KVPusher(senders, backend, local, layout, metrics,
                                              args.transfer_timeout_s)
-        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(engine, pusher, metrics), server)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(engine, pusher, metrics, auth),
+                                                       server)
         return [SERVICE_NAME]
 
     return await runtime.serve("prefill", args, engine, register,

@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from common.auth import ticket_refusal
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import inject_metadata, server_span, set_attrs, span
@@ -32,8 +33,9 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine, pusher, metrics):
+    def __init__(self, engine, pusher, metrics, auth=None):
         self.engine = engine          # AsyncEngine (or any object with its interface)
+        self.auth = auth              # common.auth.InternalAuth: checks decode's ticket signature
         self.pusher = pusher          # prefill_svc.kv_push.KVPusher
         self.metrics = metrics
         self.layout = pusher.layout
@@ -65,6 +67,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if not rid:
                     raise InvalidRequestError("request_id is required")
                 self._check_ticket(request.ticket)
+                refused = ticket_refusal(self.auth, request.ticket, rid, time.time() * 1e3)
+                if refused is not None:  # NOTE: before anything dials ticket.decode_address
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
                 n = len(request.prompt_token_ids)
                 if request.ticket.num_tokens and n != request.ticket.num_tokens:
                     raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "

@@ -111,6 +111,17 @@ class Child:
         return self.proc.poll() is None
 
 
+def internal_secret_env(secret_file: str | None) -> dict[str, str]:
+    """The children's internal credentials: the given secret file (checked here), else a fresh
+    random secret for this run. Raises common.auth.AuthConfigError (a ValueError)."""
+    from common.auth import ENV_SECRET, ENV_SECRET_FILE, generate_secret, read_secret_file
+
+    if secret_file:
+        read_secret_file(secret_file)
+        return {ENV_SECRET_FILE: secret_file}
+    return {ENV_SECRET: generate_secret()}
+
+
 def service_cmd(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
@@ -176,6 +187,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra flag for the gateway only (repeat), e.g. --gateway-arg=--default-ttft-ms=500")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--internal-secret-file", default=os.environ.get("SPLITSERVE_INTERNAL_SECRET_FILE"),
+                   help="shared secret of the internal RPCs (a 0600 file); default: a random one "
+                        "per run, passed to the three services in their environment")
     p.add_argument("--log-level", default=None)
     p.add_argument("--prefill-gpu", type=int, default=None, metavar="N",
                    help="run prefill on cuda:N (with --decode-gpu)")
@@ -313,7 +327,11 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
         print(f"splitserve up: {e}", file=sys.stderr)
         return 2
     tmp = tempfile.mkdtemp(prefix="splitserve-up-")
-    env = dict(os.environ)
+    try:  # NOTE: the secret goes in the children's environment, never on a command line (ps)
+        env = {**os.environ, **internal_secret_env(a.internal_secret_file)}
+    except ValueError as e:
+        print(f"splitserve up: {e}", file=sys.stderr)
+        return 2
     common = ["--model", a.model, "--host", a.host] + (["--log-level", a.log_level] if a.log_level else [])
     children: list[Child] = []
     failure: str | None = None

@@ -97,7 +97,9 @@ def child_env(otlp_endpoint: str | None = None, service: str = "splitserve") -> 
     """The environment of a child process: this checkout importable, traces off unless an OTLP
     endpoint is given."""
     pp = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": pp}
+    # NOTE: services the tests start directly serve an open internal plane unless given
+    # --internal-secret-file (tests/services/test_auth*.py); `splitserve up` passes its own secret
+    env = {"SPLITSERVE_INSECURE_INTERNAL": "1", **os.environ, "PYTHONPATH": pp}
     if otlp_endpoint:
         env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=otlp_endpoint,
                    OTEL_BSP_SCHEDULE_DELAY="100", OTEL_SERVICE_NAME=service)

@@ -18,8 +18,9 @@ Hazards:
 - NOTE: the rendezvous is agreed at handshake: the store address comes from decode's ticket,
   the pair id (the store key prefix) from prefill's hello, the ranks are fixed (prefill 0,
   decode 1). A reconnect uses a new pair id, so keys of a dead group never mix in.
-- NOTE: the TCPStore listens on all interfaces of decode's host and, like our gRPC ports, has
-  no authentication: run it on a trusted network.
+- NOTE: the TCPStore has no authentication of its own: it listens on the service's bind host
+  only, and a pair's keys sit under a prefix keyed by the internal secret
+  (common.auth.InternalAuth.store_prefix), which a stranger on the store cannot guess.
 """
 from __future__ import annotations
 
@@ -59,9 +60,11 @@ class _GroupSide:
 class DistPairClient(_GroupSide, PairClient):
     backend = "dist"
 
-    def __init__(self, channel, address, peer, local, op_timeout_s, connect_timeout_s, host: str):
+    def __init__(self, channel, address, peer, local, op_timeout_s, connect_timeout_s, host: str,
+                 auth=None):
         super().__init__(channel, address, peer, local, op_timeout_s, connect_timeout_s)
         self.host = host
+        self.auth = auth
         self.transport = pair_transport(local.device)
         self.group: PairGroup | None = None
 
@@ -80,7 +83,8 @@ class DistPairClient(_GroupSide, PairClient):
         # timeout; the thread cannot be cancelled, so its own timeout bounds it.
         self.group = await asyncio.wait_for(asyncio.to_thread(
             PairGroup.create, self.peer.store_address, self.pair_id, 0, self.transport,
-            self.local.device, self.host, self.connect_timeout_s, broken), self.connect_timeout_s + 5)
+            self.local.device, self.host, self.connect_timeout_s, broken,
+            store_key=_store_key(self.auth, self.pair_id)), self.connect_timeout_s + 5)
 
     def start_send(self, header, tensor: torch.Tensor) -> asyncio.Future:
         g = self.group
@@ -105,18 +109,23 @@ class DistKVSender(PairKVSender):
 
     def make_pair(self, channel, address, peer) -> DistPairClient:
         return DistPairClient(channel, address, peer, self.local, self.op_timeout_s,
-                              self.connect_timeout_s, self.host)
+                              self.connect_timeout_s, self.host, self.auth)
 
 
 # ---- decode side ------------------------------------------------------------------------
 class DistRendezvous:
     """The TCPStore prefill/decode pair groups meet on; decode hosts it, tickets name it."""
 
-    def __init__(self, advertise_host: str, port: int = 0, timeout_s: float = 30.0):
+    def __init__(self, advertise_host: str, port: int = 0, timeout_s: float = 30.0,
+                 bind_host: str | None = None):
         import torch.distributed as dist
 
+        # NOTE: TCPStore alone listens on every interface; a socket bound here confines it to
+        # the service's bind host (bind_host, default advertise_host)
+        fd = _listen_fd(bind_host or advertise_host, port)
         self.store = dist.TCPStore(advertise_host, port, None, True,
-                                   datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+                                   datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                                   master_listen_fd=fd)
         self.address = f"{advertise_host}:{self.store.port}"
         log.info("kv pair rendezvous store on %s", self.address)
 
@@ -133,8 +142,9 @@ class DistPlane(_GroupSide, RecvPlane):
     POOL = 8  # CPU receive buffers kept for reuse
 
     def __init__(self, rendezvous: DistRendezvous, local: PairEndpoint, host: str = "",
-                 default_timeout_s: float = 30.0):
+                 default_timeout_s: float = 30.0, auth=None):
         self.rendezvous = rendezvous
+        self.auth = auth
         self.local = local
         self.host = host
         self.timeout_s = default_timeout_s
@@ -157,7 +167,8 @@ class DistPlane(_GroupSide, RecvPlane):
     async def join(self, hello) -> None:
         self.group = await asyncio.wait_for(asyncio.to_thread(
             PairGroup.create, self.rendezvous.address, hello.pair_id, 1, hello.backend,
-            self.local.device, self.host, self.timeout_s), self.timeout_s + 5)
+            self.local.device, self.host, self.timeout_s,
+            store_key=_store_key(self.auth, hello.pair_id)), self.timeout_s + 5)
 
     def post(self, header, request_id: str | None) -> asyncio.Future:
         n = int(header.nbytes)
@@ -184,3 +195,20 @@ class DistPlane(_GroupSide, RecvPlane):
 
     def close(self, reason: str, orderly: bool) -> None:
         self.close_group(reason, orderly)
+
+
+def _store_key(auth, pair_id: str) -> str:
+    return auth.store_prefix(pair_id) if auth is not None else pair_id
+
+
+def _listen_fd(host: str, port: int) -> int:
+    """A listening socket on host:port; -> its fd, handed over to the TCPStore."""
+    import socket
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(1024)
+    return sock.detach()  # NOTE: the store owns the fd from here (no double close)

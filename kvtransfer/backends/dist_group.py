@@ -99,9 +99,11 @@ class PairGroup:
     @classmethod
     def create(cls, store_address: str, pair_id: str, rank: int, backend: str, device: str,
                host: str = "", timeout_s: float = 30.0,
-               on_broken: Callable[[str], None] | None = None) -> "PairGroup":
+               on_broken: Callable[[str], None] | None = None,
+               store_key: str | None = None) -> "PairGroup":
         """Blocking (run it off the event loop): connects to the store, then waits until the
-        peer rank joins or `timeout_s` passes (raises TransferError)."""
+        peer rank joins or `timeout_s` passes (raises TransferError). store_key: the pair's key
+        prefix on the store (default pair_id; keyed by the internal secret, see dist.py)."""
         import torch.distributed as dist
 
         if not dist.is_available():
@@ -111,7 +113,7 @@ class PairGroup:
         t0 = time.monotonic()
         try:
             store = dist.TCPStore(shost, sport, None, False, td)
-            pstore = dist.PrefixStore(f"splitserve/pair/{pair_id}/", store)
+            pstore = dist.PrefixStore(f"splitserve/pair/{store_key or pair_id}/", store)
             if backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = td

@@ -19,7 +19,7 @@ import time
 import grpc
 import torch
 
-from common.grpc_util import channel_options
+from common.grpc_util import channel_options, open_channel
 from common.telemetry import server_span, set_attrs
 from engine.kv_blocks import DTYPE_NAMES, NAME_DTYPES
 from kvtransfer.base import KVSender, SendTransfer
@@ -208,7 +208,8 @@ class GrpcKVSender(KVSender):
 
     backend = "grpc"
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_records: int = 1024):
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_records: int = 1024, auth=None):
+        self.auth = auth  # common.auth.InternalAuth of the internal plane (None: insecure)
         if not (1024 <= chunk_bytes <= 32 * 1024 * 1024):
             raise ValueError(f"chunk_bytes must be in [1 KiB, 32 MiB], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
@@ -218,7 +219,7 @@ class GrpcKVSender(KVSender):
     def _stub(self, address: str):
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=channel_options())
+            ch = open_channel(address, self.auth, channel_options())
             self._channels[address] = ch
         return kvtransfer_pb2_grpc.KVTransferStub(ch)
 

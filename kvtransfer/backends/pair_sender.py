@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from common.grpc_util import channel_options
+from common.grpc_util import channel_options, open_channel
 from kvtransfer.backends.pair_client import PairClient, PairSendTransfer, PairUnavailable, _retrieve
 from kvtransfer.base import KVSender
 from kvtransfer.endpoint import PairEndpoint
@@ -30,8 +30,9 @@ class PairKVSender(KVSender):
 
     def __init__(self, local: PairEndpoint, *, op_timeout_s: float = 30.0,
                  connect_timeout_s: float = 30.0, retry_after_s: float = 10.0,
-                 keep_records: int = 1024):
+                 keep_records: int = 1024, auth=None):
         self.local = local
+        self.auth = auth  # common.auth.InternalAuth: credentials of the channel; dist store keys
         self.op_timeout_s = op_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retry_after_s = retry_after_s
@@ -72,7 +73,7 @@ class PairKVSender(KVSender):
         try:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
+                ch = self._channels[address] = open_channel(address, self.auth, channel_options())
             pair = self.make_pair(ch, address, peer)
             await pair.connect()
         except PairUnavailable as e:

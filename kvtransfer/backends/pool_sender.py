@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import grpc
 
+from common.grpc_util import open_channel
 from kvtransfer.backends.pool_share import PoolServer, PoolUnreachable
 from kvtransfer.state import TransferError
 
 
 class PoolKVSender:
-    def __init__(self, server: PoolServer, backend: str, channel_options=None):
+    def __init__(self, server: PoolServer, backend: str, channel_options=None, auth=None):
         self.server = server
+        self.auth = auth                  # common.auth.InternalAuth (None: insecure plane)
         self.backend = backend            # "vmm" | "shm"
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, object] = {}
@@ -34,7 +36,7 @@ class PoolKVSender:
         if stub is None:
             from protos import kvtransfer_pb2_grpc
 
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
+            ch = self._channels[address] = open_channel(address, self.auth, self._options)
             stub = self._stubs[address] = kvtransfer_pb2_grpc.KVTransferStub(ch)
         return stub
 

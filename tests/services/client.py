@@ -1,17 +1,16 @@
 """A minimal gateway stand-in for the tests: Reserve -> Prefill -> Decode over real sockets."""
 from __future__ import annotations
 
-import grpc
-
 from common.convert import params_to_pb
-from common.grpc_util import channel_options
+from common.grpc_util import channel_options, open_channel
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
 class Client:
-    def __init__(self, prefill_addr: str, decode_addr: str):
-        self._pc = grpc.aio.insecure_channel(prefill_addr, options=channel_options())
-        self._dc = grpc.aio.insecure_channel(decode_addr, options=channel_options())
+    def __init__(self, prefill_addr: str, decode_addr: str, auth=None):
+        """auth: common.auth.InternalAuth (the services' internal credentials) or None."""
+        self._pc = open_channel(prefill_addr, auth, channel_options())
+        self._dc = open_channel(decode_addr, auth, channel_options())
         self.prefill = prefill_pb2_grpc.PrefillStub(self._pc)
         self.decode = decode_pb2_grpc.DecodeStub(self._dc)
 
