@@ -1,5 +1,5 @@
 """Process runtime shared by prefill_svc and decode_svc: engine thread, gRPC server with
-health + reflection, /metrics port, graceful stop on SIGINT/SIGTERM.
+health + reflection, /metrics port, graceful drain and stop on SIGINT/SIGTERM.
 
 Tracing helpers are common/telemetry.py's, metrics common/metrics.py's; the services use them
 directly.
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common import telemetry
+from common.drain import DrainGate, wait_drained
 from common.grpc_util import (add_health_and_reflection, bind, create_server, freeze_heap, set_serving,
                               wait_for_signal)
 from common.metrics import get_metrics
@@ -39,15 +40,19 @@ class Rate:
 
 async def serve(service: str, args, engine, register: Callable[[object], list[str]],
                 on_stop: Callable[[], object] | None = None,
-                started: Callable[[int], object] | None = None) -> int:
-    """Start engine + server, serve until a signal, stop cleanly.
+                started: Callable[[int], object] | None = None,
+                busy: Callable[[], int] | None = None) -> int:
+    """Start engine + server, serve until a signal, drain, stop cleanly.
 
     register(server) adds the servicers and returns their full service names; started(port)
-    runs once bound (before SERVING), e.g. to learn the advertised address."""
+    runs once bound (before SERVING), e.g. to learn the advertised address; busy() counts the
+    requests in flight, which a signal lets finish for up to args.drain_timeout_s (health
+    NOT_SERVING and new work refused meanwhile: common/drain.py)."""
     await engine.start()
     metrics = get_metrics(service, engine.info()["model"])
     auth = getattr(args, "internal_auth", None)  # common.auth.InternalAuth (service_main)
-    server = create_server(auth)
+    gate = DrainGate(service)
+    server = create_server(auth, [gate])
     names = register(server)
     hs = add_health_and_reflection(server, names)
     port = bind(server, args.host, args.port, auth)
@@ -62,7 +67,7 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     await set_serving(hs, names, True)
     write_ready_file(args.ready_file, port, mport)
     log.info("%s serving on %s:%d (metrics port %s)", service, args.host, port, mport)
-    rc = 0
+    rc, signalled = 0, False
     try:
         # a dead engine thread ends the process (exit 1) so a supervisor restarts it
         sig = asyncio.ensure_future(wait_for_signal())
@@ -70,12 +75,18 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
         if updater in done:
             log.error("%s: engine thread died (%s); stopping", service, updater.result())
             rc = 1
+        signalled = sig in done
         sig.cancel()
     finally:
         log.info("%s stopping", service)
+        gate.draining = True
         await set_serving(hs, names, False)
+        if signalled and busy is not None:  # a second signal cuts the drain short
+            again = asyncio.ensure_future(wait_for_signal())
+            await wait_drained(busy, getattr(args, "drain_timeout_s", 30.0), again, service)
+            again.cancel()
         updater.cancel()
-        await server.stop(grace=2.0)
+        await server.stop(grace=1.0)
         if on_stop is not None:
             res = on_stop()
             if asyncio.iscoroutine(res):

@@ -112,7 +112,11 @@ async def amain(args) -> int:
         if "rdv" in holder:
             holder["rdv"].close()
 
-    return await runtime.serve("decode", args, engine, register, on_stop=stop, started=started)
+    def busy() -> int:  # streams running + reservations whose KV / Decode call is still to come
+        return len(holder["svc"]._running) + len(holder["rx"].pending())
+
+    return await runtime.serve("decode", args, engine, register, on_stop=stop, started=started,
+                               busy=busy)
 
 
 def _takes_pool(backend: str, device: str) -> bool:

@@ -62,6 +62,15 @@ async def read_json(request: Request, max_body_bytes: int):
         raise invalid(f"request body is not valid JSON: {e}") from None
 
 
+_GONE = object()  # the client hung up before the first chunk
+
+
+async def _disconnected(request: Request) -> None:
+    # NOTE: the body is fully read, so the next ASGI message is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
               max_body_bytes: int = 1 << 20) -> FastAPI:
     """default_max_tokens: for requests without max_tokens; None = until an end token or the
@@ -76,12 +85,12 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
     @app.get("/health")
     async def health():
         ok_p, ok_d = core.prefill.any_healthy(), core.decode.any_healthy()
-        body = {"status": "ok" if ok_p and ok_d else "degraded",
+        body = {"status": "draining" if core.draining else "ok" if ok_p and ok_d else "degraded",
                 "prefill": [{"address": r.address, "healthy": r.healthy, "error": r.last_error}
                             for r in core.prefill.replicas],
                 "decode": [{"address": r.address, "healthy": r.healthy, "error": r.last_error}
                            for r in core.decode.replicas]}
-        return JSONResponse(body, status_code=200 if ok_p and ok_d else 503)
+        return JSONResponse(body, status_code=200 if ok_p and ok_d and not core.draining else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -112,23 +121,39 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
         agen = core.generate(pr.gen, metadata=headers)
         if not pr.stream:
             return await _collect_unless_gone(request, agen, pr, rid, model)
-        # pull the first chunk before answering so admission/validation errors get real statuses
-        try:
-            first = await agen.__anext__()
-        except StopAsyncIteration:
-            first = None
+        # pull the first chunk before answering so admission/validation errors get real statuses;
+        # a client gone meanwhile cancels it (its prefill and decode reservation freed at once)
+        first = await _first_unless_gone(request, agen)
+        if first is _GONE:
+            return Response(status_code=499)
         return StreamingResponse(_stream(agen, first, pr, rid, model), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": pr.gen.request_id})
 
+    async def _first_unless_gone(request: Request, agen):
+        async def first():
+            try:
+                return await agen.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        task = asyncio.ensure_future(first())
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()  # NOTE: unwinds the generator inside it: the downstream RPCs are cancelled
+            await asyncio.wait([task])
+            return _GONE
+        finally:
+            for t in (task, watch):
+                if not t.done():
+                    t.cancel()
+
     async def _collect_unless_gone(request: Request, agen, pr, rid, model):
         """Non-streaming: a client that hangs up mid-generation cancels it (blocks freed)."""
-        async def disconnected():
-            # NOTE: the body is fully read, so the next ASGI message is the disconnect
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         task = asyncio.ensure_future(_collect(agen, pr, rid, model))
-        watch = asyncio.ensure_future(disconnected())
+        watch = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
             if task.done():

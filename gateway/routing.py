@@ -8,8 +8,8 @@ a replica likely still caches is known without asking it. A replica's predicted 
 only the tokens it would compute (prompt minus that run), which weighs a cache hit against
 the replica's queue: a hit on a busy replica wins only while it is still predicted faster.
 
-A replica whose call failed with UNAVAILABLE is marked down and tried only after the healthy
-ones; the next successful Load poll brings it back.
+A replica whose call failed with UNAVAILABLE, or whose Load poll failed or timed out (dead,
+frozen), is marked down and sent no new work; the next successful Load poll brings it back.
 """
 from __future__ import annotations
 
@@ -26,12 +26,19 @@ from gateway.admission import LoadView, Prediction, Predictor
 
 log = logging.getLogger("splitserve.gateway.routing")
 
+# a replica frozen (SIGSTOP, a long GC pause) up to ~this long keeps its streams: a dead one is
+# found by its closed socket or the Load poll long before, so a longer ping wait costs nothing
+KEEPALIVE_TIMEOUT_MS = 30_000
+
+
 def _channel_options() -> list:
     from common.grpc_util import channel_options
 
     # NOTE: short reconnect backoff so a restarted replica is found again quickly
-    return channel_options() + [("grpc.initial_reconnect_backoff_ms", 200),
-                                ("grpc.max_reconnect_backoff_ms", 1000)]
+    opts = [o for o in channel_options() if o[0] != "grpc.keepalive_timeout_ms"]
+    return opts + [("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 
 from common import telemetry
 from common.log import setup_logging
@@ -115,19 +116,60 @@ async def serve(cfg: GatewayConfig) -> int:
         with open(tmp, "w") as f:
             f.write(f"{grpc_port} {http_port}\n")
         os.replace(tmp, cfg.ready_file)
+    watch = asyncio.get_running_loop().create_task(_health_watch(core, hs))
     try:
         await grpc_util.wait_for_signal()
     finally:
-        log.info("gateway shutting down")
-        await grpc_util.set_serving(hs, [SERVICE], False)
+        watch.cancel()
+        left = await drain(core, hs, cfg.drain_timeout_s)
         if http_server is not None:
             http_server.should_exit = True
-            await asyncio.wait([http_task], timeout=5)
-        await server.stop(grace=2)
+            await asyncio.wait([http_task], timeout=max(0.5, left / 2))
+        await server.stop(grace=max(0.2, left / 2))
         await core.prefill.close()
         await core.decode.close()
         telemetry.shutdown_tracing()
     return 0
+
+
+async def _health_watch(core: GatewayCore, hs, interval_s: float = 0.25) -> None:
+    """gRPC health follows /health: SERVING while a prefill and a decode replica are up."""
+    from common import grpc_util
+
+    serving = True
+    while True:
+        await asyncio.sleep(interval_s)
+        ok = (core.decode.any_healthy() and (core.prefill.any_healthy()
+                                             or core.prefill_on_decode == "always"))
+        if ok != serving and not core.draining:
+            serving = ok
+            await grpc_util.set_serving(hs, [SERVICE], ok)
+
+
+async def drain(core: GatewayCore, hs, timeout_s: float) -> float:
+    """Graceful stop: health NOT_SERVING first, new requests refused (UNAVAILABLE / 503 with
+    Retry-After), running ones finish for up to timeout_s (a second signal cuts it short).
+    -> seconds left of timeout_s for closing the servers."""
+    from common import grpc_util
+
+    t0 = time.monotonic()
+    log.info("gateway draining: %d request(s) running, up to %.0f s", core.num_active, timeout_s)
+    core.start_drain()
+    await grpc_util.set_serving(hs, [SERVICE], False)
+    # NOTE: closing the servers takes a moment too: keep ~10% (at most 1 s) of the budget for it
+    budget = max(0.0, timeout_s - min(1.0, timeout_s * 0.1))
+    idle = asyncio.ensure_future(core.wait_idle(budget))
+    again = asyncio.ensure_future(grpc_util.wait_for_signal())
+    await asyncio.wait([idle, again], return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    if not idle.done():
+        idle.cancel()
+        log.warning("gateway: second signal, stopping with %d request(s) running", core.num_active)
+    elif not idle.result():
+        log.warning("gateway: drain timeout (%.0f s), %d request(s) cut", timeout_s, core.num_active)
+    else:
+        log.info("gateway drained in %.1f s", time.monotonic() - t0)
+    return max(0.0, timeout_s - (time.monotonic() - t0))
 
 
 def main(argv: list[str] | None = None) -> int:

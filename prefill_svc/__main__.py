@@ -75,12 +75,13 @@ async def amain(args) -> int:
         metrics = get_metrics("prefill")
         pusher = holder["pusher"] = KVPusher(senders, backend, local, layout, metrics,
                                              args.transfer_timeout_s)
-        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(engine, pusher, metrics, auth),
-                                                       server)
+        svc = holder["svc"] = PrefillServicer(engine, pusher, metrics, auth)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(svc, server)
         return [SERVICE_NAME]
 
     return await runtime.serve("prefill", args, engine, register,
-                               on_stop=lambda: holder["pusher"].close())
+                               on_stop=lambda: holder["pusher"].close(),
+                               busy=lambda: holder["svc"].in_flight)
 
 
 def _wants_shared_pool(backend: str, device: str) -> bool:

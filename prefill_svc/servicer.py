@@ -97,14 +97,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         push = loop.create_task(self.pusher.push(route, ticket, rid, layers, inject_metadata()))
                         push.add_done_callback(_retrieve)  # an early failure is read below (or moot)
                     first = None
+                    claimed = added
+                    # NOTE: a cancel (client gone) while add_request is queued still lands the
+                    # request in the engine: abort it too, or it runs for no one and holds blocks
+                    added = True
                     try:
                         async for out in self.engine.generate(rid, prompt, params, prefill_only=True):
-                            added = True  # the engine took the id: free it after, whatever happens
                             if out.finish_reason == "error":
                                 raise RuntimeError(out.error or "prefill failed in the engine")
                             if out.new_token_ids:
                                 first = out
-                    except InvalidRequestError as e:  # refused by add_request (e.g. bad token id)
+                    except InvalidRequestError as e:  # refused by add_request (e.g. bad token id,
+                        added = claimed               # a duplicate id: the other one is not ours)
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     except RuntimeError as e:  # engine error or engine thread died
                         added = True

@@ -10,9 +10,12 @@ KV pool and copies device to device, on one GPU or across GPUs of the host).
 Topology (`--topology`, splitserve_cli/up_topology.py): on a machine without a GPU the default
 colocates (every prompt prefilled in the decode engine, which gets every core); `split` keeps
 prefill and decode each on their own work.
-Ctrl-C / SIGTERM -> SIGTERM to all three, SIGKILL to any still alive after a grace period.
-If one child dies, the others are stopped and `up` exits non-zero with one line naming the
-child and why (the last error line of its stderr, which `up` passes through).
+Ctrl-C / SIGTERM -> graceful drain: SIGTERM to the gateway (running requests finish for up to
+--drain-timeout-s), then to the services; SIGKILL to any still alive after that.
+A child that dies once all are up is started again on its ports, with backoff
+(splitserve_cli/supervise.py); past --max-restarts deaths in a row (or one, with 0), or a child
+that fails before it is first ready, stops the others and `up` exits non-zero with one line
+naming the child and why (the last error line of its stderr, which `up` passes through).
 All ports given are bind-tested before anything starts.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import threading
 import time
 
 from kvtransfer.endpoint import BACKENDS as KV_BACKENDS
+from splitserve_cli.supervise import Supervisor
 from splitserve_cli import up_topology
 
 GRACE_S = 10.0
@@ -187,6 +191,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra flag for the gateway only (repeat), e.g. --gateway-arg=--default-ttft-ms=500")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="Ctrl-C / SIGTERM: running requests may finish for this long (each service)")
+    p.add_argument("--max-restarts", type=int, default=10,
+                   help="a child that dies is restarted with backoff; after this many deaths in a "
+                        "row (without a minute up) everything stops (0: stop at the first; -1: "
+                        "no limit)")
     p.add_argument("--internal-secret-file", default=os.environ.get("SPLITSERVE_INTERNAL_SECRET_FILE"),
                    help="shared secret of the internal RPCs (a 0600 file); default: a random one "
                         "per run, passed to the three services in their environment")
@@ -332,8 +342,10 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
     except ValueError as e:
         print(f"splitserve up: {e}", file=sys.stderr)
         return 2
-    common = ["--model", a.model, "--host", a.host] + (["--log-level", a.log_level] if a.log_level else [])
+    common = ["--model", a.model, "--host", a.host, "--drain-timeout-s", str(a.drain_timeout_s)] + (
+        ["--log-level", a.log_level] if a.log_level else [])
     children: list[Child] = []
+    sup: Supervisor | None = None
     failure: str | None = None
     stop = {"sig": None}
 
@@ -364,17 +376,17 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
         gport, hport = ready["gateway"][0], ready["gateway"][1]
         print(banner(a, engine_args, backend, gport, hport, pport, dport,
                      (ready["prefill"][1], ready["decode"][1])), flush=True)
-        while stop["sig"] is None:
-            dead = [c for c in children if not c.alive()]
-            if dead:
-                failure = f"{dead[0].name} stopped ({dead[0].why()}); the others were stopped"
-                return 1
-            time.sleep(0.2)
-        return 0
+        sup = Supervisor(children, ready, lambda name, argv, rf: Child(name, argv, rf, env),
+                         max_restarts=a.max_restarts, drain_timeout_s=a.drain_timeout_s)
+        failure = sup.run(stop)
+        return 1 if failure else 0
     except RuntimeError as e:
         failure = str(e)
         return 1
     finally:
-        stop_all(children)
+        if sup is not None:
+            sup.stop_all()
+        else:
+            stop_all(children)
         if failure:  # NOTE: last, below the other children's shutdown logs
             print(f"splitserve up: {failure}", file=sys.stderr, flush=True)

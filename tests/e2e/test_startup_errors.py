@@ -131,7 +131,7 @@ def test_up_names_the_child_that_failed_and_why(tmp_path):
 
 
 def test_up_names_a_child_that_dies_later():
-    with splitserve_up([*UP_PORTS, *TINY_CPU]) as up:
+    with splitserve_up([*UP_PORTS, "--max-restarts", "0", *TINY_CPU]) as up:
         decode_port = re.search(r"decode\s+127\.0\.0\.1:(\d+)", up.log()).group(1)
         pid = _listener_pid(int(decode_port))
         os.kill(pid, signal.SIGKILL)

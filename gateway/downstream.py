@@ -1,0 +1,189 @@
+"""The downstream half of GatewayCore's path (a mixin): decode.Reserve (a ticket for the KV),
+prefill.Prefill (the first token) and the best-effort Release / Abort sent in the background.
+
+Only replicas whose last call or Load poll succeeded are sent work: a dead or frozen replica
+is skipped from the moment it is marked down (its next successful poll brings it back), and
+when none of a role is up the request is answered at once with UNAVAILABLE + Retry-After
+instead of waiting out a deadline on a peer that cannot answer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from common import telemetry
+from common.convert import params_to_pb as request_params_pb
+from gateway.routing import Route, order_decode, order_prefill
+from gateway.types import GatewayError, GenRequest
+
+log = logging.getLogger("splitserve.gateway.core")
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RESERVE_TIMEOUT_S = 10.0
+# a replica marked down is polled again within a poll interval: clients may retry after that
+DOWN_RETRY_AFTER_S = 2.0
+
+
+def _down_error(role: str, pool) -> GatewayError:
+    why = "; ".join(f"{r.address}: {r.last_error or 'down'}" for r in pool.replicas)
+    return GatewayError(grpc.StatusCode.UNAVAILABLE, f"no {role} replica is up ({why})",
+                        retry_after_s=DOWN_RETRY_AFTER_S)
+
+
+class Downstream:
+    """Needs (from GatewayCore): prefill, decode (ReplicaPool), predictor, prefix, queue,
+    metrics, admission_cfg, prefill_on_decode and the set _bg."""
+
+    def check_replicas_up(self) -> None:
+        """UNAVAILABLE + Retry-After at once when a role the request needs has no replica up."""
+        if not self.decode.any_healthy():
+            raise _down_error("decode", self.decode)
+        if self.prefill_on_decode != "always" and not self.prefill.any_healthy():
+            raise _down_error("prefill", self.prefill)
+
+    def _background(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _quiet(self, coro, what: str) -> None:
+        try:
+            await asyncio.wait_for(coro, 5.0)
+        except Exception as e:  # noqa: BLE001 - best-effort cleanup
+            log.debug("%s failed: %s", what, e)
+
+    def _release(self, replica, request_id: str, transfer_id: str, reason: str) -> None:
+        from protos import decode_pb2
+
+        req = decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id, reason=reason)
+        self._background(self._quiet(replica.stub.Release(req, timeout=5.0), "Release"))
+
+    def _abort(self, replica, request_id: str, transfer_id: str, reason: str) -> None:
+        from protos import decode_pb2
+
+        req = decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id, reason=reason)
+        self._background(self._quiet(replica.stub.Abort(req, timeout=5.0), "Abort"))
+
+    async def _reserve(self, req: GenRequest):
+        """-> (decode replica, ticket). Tries decode replicas in routing order; when all are
+        full (RESOURCE_EXHAUSTED) waits and retries until the request's queue budget is spent
+        (its TTFT SLO, else max_queue_ms): decode memory is the scarce resource."""
+        slo = req.ttft_slo_ms if req.ttft_slo_ms is not None else self.admission_cfg.default_ttft_ms
+        budget_ms = min(slo, self.admission_cfg.max_queue_ms) if slo is not None \
+            else self.admission_cfg.max_queue_ms
+        deadline = req.arrival + budget_ms / 1e3
+        backoff = 0.05
+        while True:
+            r, ticket, last = await self._reserve_once(req)
+            if ticket is not None:
+                return r, ticket
+            if last is None or last.code() != grpc.StatusCode.RESOURCE_EXHAUSTED \
+                    or time.monotonic() + backoff > deadline:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+        if last is None:
+            raise _down_error("decode", self.decode)
+        code = last.code()
+        retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else (
+            DOWN_RETRY_AFTER_S if code == grpc.StatusCode.UNAVAILABLE else None)
+        raise GatewayError(code, f"no decode replica could reserve KV for {len(req.prompt_token_ids)}"
+                           f" tokens ({', '.join(r.address for r in self.decode.replicas)}): "
+                           f"{last.details()}", retry_after_s=retry)
+
+    async def _reserve_once(self, req: GenRequest):
+        """-> (replica, ticket, None) or (None, None, last error; None when no replica is up)."""
+        from protos import decode_pb2
+
+        last = None
+        for r in order_decode(self.decode.replicas, self.predictor):
+            if not r.healthy:
+                continue
+            with telemetry.span("decode.Reserve", kind=telemetry.SpanKind.CLIENT,
+                                attributes={"splitserve.replica": r.address}):
+                try:
+                    resp = await r.stub.Reserve(decode_pb2.ReserveRequest(
+                        request_id=req.request_id, num_prompt_tokens=len(req.prompt_token_ids),
+                        max_tokens=req.params.max_tokens), timeout=RESERVE_TIMEOUT_S,
+                        metadata=telemetry.inject_metadata())
+                    return r, resp.ticket, None
+                except grpc.aio.AioRpcError as e:
+                    last = e
+                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        r.mark_down(f"Reserve: {e.code().name}: {e.details()}")
+                        continue
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        continue
+                    raise GatewayError(e.code(), f"decode Reserve failed: {e.details()}") from None
+                except asyncio.CancelledError:
+                    # NOTE: decode may have reserved before the cancel reached it: free by id
+                    self._release(r, req.request_id, "", "cancelled during Reserve")
+                    raise
+        return None, None, last
+
+    async def _prefill(self, req: GenRequest, route: Route | None = None):
+        """-> (decode replica, ticket, PrefillResponse). Tries the replica admission chose
+        first, then the other replicas that are up."""
+        from protos import prefill_pb2
+
+        route = route if route is not None else Route()
+        params_pb = request_params_pb(req.params)
+        tried, last = [], None
+        ids = req.prompt_token_ids
+        n = len(ids)
+        order = order_prefill(self.prefill.replicas, self.predictor, n)
+        if route.prefill is not None:
+            order = [route.prefill] + [r for r in order if r is not route.prefill]
+        for p in order:
+            if not p.healthy:
+                continue
+            dec, ticket = await self._reserve(req)
+            tried.append(p.address)
+            if ticket.block_size and ticket.block_size != self.prefix.block_size:
+                self.prefix.set_block_size(ticket.block_size)
+                route.hashes = None
+            if route.hashes is None:
+                route.hashes = self.prefix.hashes(ids)
+            self.prefix.record(p.address, route.hashes, p.load.num_total_blocks)
+            held = 0 if p is route.prefill and route.inflight else n
+            if held:
+                p.add_inflight(held)
+            # NOTE: prefill_ms runs from the replica's receipt, its own queue included: only a
+            # prompt sent to an otherwise idle replica times the compute the fit models
+            route.alone = p.load.inflight_requests == 1 and not p.load.queued_tokens
+            try:
+                with telemetry.span("prefill.Prefill", kind=telemetry.SpanKind.CLIENT,
+                                    attributes={"splitserve.replica": p.address}):
+                    resp = await p.stub.Prefill(prefill_pb2.PrefillRequest(
+                        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                        params=params_pb, ticket=ticket), metadata=telemetry.inject_metadata())
+                m = self.metrics.routing_prefix_tokens
+                m.labels(kind="prompt").inc(n)
+                m.labels(kind="predicted").inc(route.cached if p is route.prefill else 0)
+                m.labels(kind="cached").inc(resp.num_cached_tokens)
+                return dec, ticket, resp
+            except grpc.aio.AioRpcError as e:
+                self._release(dec, req.request_id, ticket.transfer_id, f"prefill failed: {e.code().name}")
+                last = e
+                if e.code() in _RETRYABLE:
+                    p.mark_down(f"Prefill: {e.details()}")
+                    self.prefix.forget(p.address)
+                    continue
+                raise GatewayError(e.code(), f"prefill failed: {e.details()}") from None
+            except BaseException:
+                self._release(dec, req.request_id, ticket.transfer_id, "cancelled during prefill")
+                raise
+            finally:
+                if held:
+                    p.done_inflight(held)
+                elif p is route.prefill:
+                    route.settle()
+                self.queue.notify()
+        if not tried:
+            raise _down_error("prefill", self.prefill)
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                           f"no prefill replica available (tried {', '.join(tried)}): "
+                           f"{last.details() if last is not None else 'none'}",
+                           retry_after_s=DOWN_RETRY_AFTER_S)
