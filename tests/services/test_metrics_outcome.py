@@ -1,0 +1,77 @@
+"""Decode's outcome counter: a stream whose caller closes it right after reading the last message
+(the gateway does: it cancels the call once it has the finish reason) finished, it was not
+aborted. A handler generator closed at its last `yield` never runs the code after it, so the
+outcome must be known before that yield. Driven on DecodeServicer._stream directly: the race
+with a real cancel depends on load (seen as 14 of 67 finished streams counted abort)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from common.metrics import ServiceMetrics
+from decode_svc.servicer import DecodeServicer
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from protos import decode_pb2
+
+
+class _Engine:
+    """Just what _stream uses: generate() yielding one token per output, then finished."""
+    tokenizer = None
+
+    def __init__(self, n: int):
+        self.n = n
+        self.aborted: list[str] = []
+
+    async def generate(self, rid, prompt, params):
+        for i in range(self.n):
+            yield RequestOutput(rid, [100 + i], finished=i == self.n - 1,
+                                finish_reason="length" if i == self.n - 1 else None,
+                                queue_s=0.01 if i == 0 else None, prefill_s=0.02 if i == 0 else None)
+            await asyncio.sleep(0)
+
+    async def abort(self, rid):
+        self.aborted.append(rid)
+
+
+def _count(m: ServiceMetrics, name: str, **labels) -> float:
+    return m.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("close_after_last", [True, False])
+async def test_a_stream_closed_after_its_last_message_counts_as_finished(close_after_last):
+    m = ServiceMetrics("decode")
+    svc = DecodeServicer(_Engine(4), None, m)
+    req = decode_pb2.DecodeRequest(request_id="r1", prompt_token_ids=[1, 2, 3], prefill_here=True)
+    gen = svc._stream("r1", req, SamplingParams(max_tokens=4), 0.0, here=True)
+    async with contextlib.aclosing(gen):
+        got = 0
+        async for msg in gen:
+            got += len(msg.token_ids)
+            if msg.finish_reason and close_after_last:
+                break  # aclosing closes the generator at the yield of its last message
+    assert got == 4
+    assert _count(m, "splitserve_requests_total", outcome="length") == 1
+    assert _count(m, "splitserve_requests_total", outcome="abort") == 0
+    assert _count(m, "splitserve_request_decode_seconds_count") == 1
+    assert _count(m, "splitserve_request_generation_tokens_sum") == 4
+    assert _count(m, "splitserve_request_queue_seconds_sum") == pytest.approx(0.01)
+    assert _count(m, "splitserve_request_prefill_seconds_sum") == pytest.approx(0.02)
+    assert _count(m, "splitserve_inter_token_latency_seconds_count") == 3  # gaps after the first
+
+
+async def test_a_stream_closed_before_its_end_counts_as_abort():
+    m = ServiceMetrics("decode")
+    svc = DecodeServicer(_Engine(6), None, m)
+    req = decode_pb2.DecodeRequest(request_id="r2", prompt_token_ids=[1, 2, 3], prefill_here=True)
+    gen = svc._stream("r2", req, SamplingParams(max_tokens=6), 0.0, here=True)
+    async with contextlib.aclosing(gen):
+        async for _msg in gen:
+            break  # the client went away after the first token
+    await asyncio.sleep(0.01)  # the abort task runs
+    assert _count(m, "splitserve_requests_total", outcome="abort") == 1
+    assert _count(m, "splitserve_requests_total", outcome="length") == 0
+    assert _count(m, "splitserve_request_decode_seconds_count") == 0
+    assert svc.engine.aborted == ["r2"]
