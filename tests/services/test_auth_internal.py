@@ -126,7 +126,8 @@ async def test_forged_tickets_are_refused(services):
             return await _code(c.prefill.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=PROMPT, params=pp, ticket=ticket), timeout=20))
 
-        res = await c.decode.Reserve(decode_pb2.ReserveRequest(request_id="forge", num_prompt_tokens=len(PROMPT)))
+        res = await c.decode.Reserve(decode_pb2.ReserveRequest(request_id="forge",
+                                                               num_prompt_tokens=len(PROMPT)))
         good = res.ticket
         assert good.signature and good.expires_unix_ms > time.time() * 1e3
         redirected = common_pb2.TransferTicket()
