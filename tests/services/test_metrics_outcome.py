@@ -75,3 +75,26 @@ async def test_a_stream_closed_before_its_end_counts_as_abort():
     assert _count(m, "splitserve_requests_total", outcome="length") == 0
     assert _count(m, "splitserve_request_decode_seconds_count") == 0
     assert svc.engine.aborted == ["r2"]
+
+
+def test_engine_reports_preemptions_and_first_token_timings():
+    """A cache too small for everyone preempts: Engine.stats() counts it and the decode metrics
+    export it; each request's first output carries its queue and prefill time, later ones not."""
+    from tests.engine.overlap_util import PROMPTS, _engine, _greedy
+
+    eng = _engine(False, num_blocks=7)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(f"r{i}", p, _greedy(24))
+    firsts: dict[str, list] = {}
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            firsts.setdefault(o.request_id, []).append(o)
+    assert eng.stats()["num_preemptions"] == eng.scheduler.num_preemptions > 0
+    for outs in firsts.values():
+        assert outs[0].queue_s is not None and outs[0].queue_s >= 0 and outs[0].prefill_s > 0
+        assert all(o.queue_s is None and o.prefill_s is None for o in outs[1:])
+    m = ServiceMetrics("decode")
+    m.update_from_engine_stats(eng.stats())
+    assert _count(m, "splitserve_num_preemptions_total") == eng.scheduler.num_preemptions
