@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import math
+
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from protos import common_pb2, generate_pb2
 
@@ -31,6 +33,9 @@ def sampling_kwargs(sp: generate_pb2.SamplingParams | None) -> dict:
     for f in SAMPLING_FIELDS:
         if sp is not None and sp.HasField(f):
             v = getattr(sp, f)
+            if isinstance(v, float) and not math.isfinite(v):
+                # NaN passes every range check of SamplingParams (and then samples the end token)
+                raise InvalidRequestError(f"sampling.{f} must be a finite number, got {v}")
             # NOTE: proto floats are float32; round so 0.7 stays 0.7, not 0.69999999
             kw[f] = round(v, 6) if isinstance(v, float) else int(v)
     return kw

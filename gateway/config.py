@@ -15,6 +15,7 @@ DEFAULT_DECODE = "127.0.0.1:50071"
 
 
 PREFILL_ON_DECODE = ("never", "auto", "always")
+MAX_TOKENS_OVER_CONTEXT = ("error", "cap")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class GatewayConfig:
     decode: tuple[str, ...] = (DEFAULT_DECODE,)
     poll_interval_s: float = 0.5
     default_max_tokens: int | None = None  # None: until an end token or the end of the context
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 1 << 20  # REST body; also gRPC prompt / chat / Tokenize text
+    max_tokens_over_context: str = "error"  # max_tokens beyond the context: error (400) | cap
     transfer_timeout_ms: int = 30000
     prefill_on_decode: str = "never"  # never | auto (decode and prefill share a GPU) | always
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -55,6 +57,8 @@ class GatewayConfig:
                 raise ValueError(f"replica address {a!r} must be host:port")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.max_tokens_over_context not in MAX_TOKENS_OVER_CONTEXT:
+            raise ValueError(f"max_tokens_over_context must be one of {MAX_TOKENS_OVER_CONTEXT}")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be > 0")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -88,7 +92,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens of requests that give none (default: until an end token or "
                         "the end of the context, as vLLM)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest REST body, and largest gRPC prompt / chat / Tokenize text")
+    p.add_argument("--max-tokens-over-context", choices=MAX_TOKENS_OVER_CONTEXT, default="error",
+                   help="a request whose prompt + max_tokens exceeds the context: error (400 / "
+                        "INVALID_ARGUMENT, as vLLM; default) or cap max_tokens to what fits")
     p.add_argument("--default-ttft-ms", type=float, default=env_float("SPLITSERVE_DEFAULT_TTFT_MS"),
                    help="TTFT SLO for requests that give none (default: none)")
     p.add_argument("--default-tpot-ms", type=float, default=env_float("SPLITSERVE_DEFAULT_TPOT_MS"))
@@ -140,7 +148,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
         prefill=_addrs(a.prefill, DEFAULT_PREFILL), decode=_addrs(a.decode, DEFAULT_DECODE),
         poll_interval_s=a.poll_interval, default_max_tokens=a.default_max_tokens,
-        max_body_bytes=a.max_body_bytes,
+        max_body_bytes=a.max_body_bytes, max_tokens_over_context=a.max_tokens_over_context,
         admission=AdmissionConfig(default_ttft_ms=a.default_ttft_ms, default_tpot_ms=a.default_tpot_ms,
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s),

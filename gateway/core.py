@@ -64,6 +64,7 @@ class GatewayCore(AdmitPath, Downstream):
         self._bg: set[asyncio.Task] = set()
         self.num_active = 0
         self.num_admitted = 0  # admitted requests not finished yet
+        self._request_ids: set[str] = set()  # ids of the requests in flight (unique)
         self.draining = False  # set once on shutdown: no new request is taken from then on
 
     # ---- drain --------------------------------------------------------------------------
@@ -124,6 +125,12 @@ class GatewayCore(AdmitPath, Downstream):
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down (draining)",
                                retry_after_s=DRAIN_RETRY_AFTER_S)
         self.check_prompt(req.prompt_token_ids)
+        if req.request_id in self._request_ids:
+            # NOTE: the services key reservations and aborts by request id: a second holder
+            # would fail both, so it is refused here and the first goes on unharmed
+            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} "
+                               "is in use by a request in flight", param="request_id")
+        self._request_ids.add(req.request_id)
         q: asyncio.Queue = asyncio.Queue()
         task = asyncio.get_running_loop().create_task(self._run(req, metadata, q))
         try:
@@ -135,6 +142,7 @@ class GatewayCore(AdmitPath, Downstream):
                     raise item
                 yield item
         finally:
+            self._request_ids.discard(req.request_id)
             if not task.done():
                 task.cancel()
 

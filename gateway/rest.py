@@ -19,12 +19,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import openai_api as oa
 from gateway.core import GatewayCore
-from gateway.types import GatewayError, invalid
+from gateway.types import GatewayError
+from gateway.validate import Limits, read_json_body
 
 log = logging.getLogger("splitserve.gateway.rest")
 
-_ERR_TYPE = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-             503: "service_unavailable", 504: "timeout"}
+_ERR_TYPE = {400: "invalid_request_error", 404: "not_found_error", 409: "invalid_request_error",
+             415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+             504: "timeout"}
 
 
 def sse(obj) -> bytes:
@@ -45,23 +47,6 @@ def error_response(e: GatewayError) -> JSONResponse:
     return JSONResponse(error_body(e), status_code=e.http_status, headers=headers)
 
 
-async def read_json(request: Request, max_body_bytes: int):
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > max_body_bytes:
-        raise invalid(f"request body is too large: {cl} bytes > limit {max_body_bytes}")
-    body = b""
-    async for part in request.stream():
-        body += part
-        if len(body) > max_body_bytes:
-            raise invalid(f"request body is too large: > limit {max_body_bytes} bytes")
-    if not body:
-        raise invalid("request body is empty; expected a JSON object")
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise invalid(f"request body is not valid JSON: {e}") from None
-
-
 _GONE = object()  # the client hung up before the first chunk
 
 
@@ -72,11 +57,13 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
-              max_body_bytes: int = 1 << 20) -> FastAPI:
+              max_body_bytes: int = 1 << 20, max_tokens_over_context: str = "error") -> FastAPI:
     """default_max_tokens: for requests without max_tokens; None = until an end token or the
-    end of the context."""
+    end of the context. max_tokens_over_context: "error" (400) or "cap"."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
     served = [core.model_name]
+    limits = Limits(core.max_model_len, core.vocab_size, default_max_tokens,
+                    max_tokens_over_context, max_body_bytes)
 
     @app.exception_handler(GatewayError)
     async def _gw_error(request: Request, e: GatewayError):
@@ -105,16 +92,16 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return oa.tokenize(await read_json(request, max_body_bytes), core, served)
+        return oa.tokenize(await read_json_body(request, max_body_bytes), core, served)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return oa.detokenize(await read_json(request, max_body_bytes), core, served)
+        return oa.detokenize(await read_json_body(request, max_body_bytes), core, served)
 
     async def handle(request: Request, kind: str):
-        body = await read_json(request, max_body_bytes)
+        body = await read_json_body(request, max_body_bytes)
         parse = oa.parse_chat if kind == "chat" else oa.parse_completion
-        pr = parse(body, core, served, default_max_tokens)
+        pr = parse(body, core, served, limits)
         headers = dict(request.headers)  # carries traceparent when the client sent one
         rid = oa.new_id(kind)
         model = core.model_name

@@ -72,7 +72,8 @@ async def serve(cfg: GatewayConfig) -> int:
     core = build_core(cfg, meta)
     front = PublicAuth.create(cfg.api_keys, cfg.tls_cert, cfg.tls_key, cfg.max_concurrency_per_key)
     server = grpc_util.create_server(interceptors=front.grpc_interceptors())
-    add_to_server(server, core, cfg.default_max_tokens)
+    add_to_server(server, core, cfg.default_max_tokens, cfg.max_tokens_over_context,
+                  cfg.max_body_bytes)
     hs = grpc_util.add_health_and_reflection(server, [SERVICE])
     grpc_port = grpc_util.bind(server, cfg.host, cfg.grpc_port, front)
     await server.start()
@@ -91,7 +92,8 @@ async def serve(cfg: GatewayConfig) -> int:
         from gateway.rest import build_app
 
         app = build_app(core, default_max_tokens=cfg.default_max_tokens,
-                        max_body_bytes=cfg.max_body_bytes)
+                        max_body_bytes=cfg.max_body_bytes,
+                        max_tokens_over_context=cfg.max_tokens_over_context)
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.host, cfg.http_port))  # bind here so port 0 is known before serving

@@ -38,6 +38,7 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
 }
 
 

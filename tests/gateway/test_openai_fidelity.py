@@ -10,6 +10,7 @@ import pytest
 from gateway.admission import AdmissionConfig
 from gateway.grpc_server import request_from_pb
 from gateway.rest import build_app
+from gateway.validate import Limits
 from tests.gateway.conftest import make_stack
 from tests.harness import TINY_CPU, start_stack
 
@@ -58,10 +59,10 @@ def test_grpc_generate_without_max_tokens_runs_to_the_end_of_the_context():
 
     core = make_core([], [])
     pb = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2, 3]))
-    assert request_from_pb(core, pb, None).params.max_tokens == 256 - 3
-    assert request_from_pb(core, pb, 7).params.max_tokens == 7
+    assert request_from_pb(core, pb, Limits(256, 512)).params.max_tokens == 256 - 3
+    assert request_from_pb(core, pb, Limits(256, 512, 7)).params.max_tokens == 7
     pb.max_tokens = 4
-    assert request_from_pb(core, pb, 7).params.max_tokens == 4
+    assert request_from_pb(core, pb, Limits(256, 512, 7)).params.max_tokens == 4
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -101,7 +102,8 @@ async def test_official_client_sees_not_found(stack):
      "response_format 'json_object' is not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
      "response_format", "response_format 'json_schema' is not supported"),
-    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type",
+     "'response_format.type' must be 'text', 'json_object' or 'json_schema'"),
     ({"response_format": "json"}, "response_format", "'response_format' must be an object"),
     ({"logit_bias": {"50": 100}}, "logit_bias", "'logit_bias' is not supported"),
     ({"guided_json": {"type": "object"}}, "guided_json", "'guided_json' is not supported"),
@@ -151,7 +153,7 @@ async def test_tokenize_and_detokenize(stack):
     ("/tokenize", {"prompt": 5}, "'prompt' must be a string"),
     ("/tokenize", {"messages": []}, "'messages' must be a non-empty array"),
     ("/detokenize", {}, "'tokens' is required"),
-    ("/detokenize", {"tokens": ["a"]}, "'tokens' must be an array of integers"),
+    ("/detokenize", {"tokens": ["a"]}, "'tokens[0]' must be an integer"),
     ("/detokenize", {"tokens": [10 ** 6]}, "out of range"),
 ])
 async def test_tokenize_bad_bodies_are_400(stack, path, body, needle):

@@ -93,7 +93,7 @@ async def test_chat_non_stream(client):
     ("/v1/chat/completions", {"model": "fake-model", "messages": []}, "'messages' must be a non-empty"),
     ("/v1/chat/completions", {"model": "fake-model", "messages": [{"content": "x"}]}, "messages[0]"),
     ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "bot", "content": "x"}]},
-     "role 'bot'"),
+     "got 'bot'"),
 ])
 async def test_bad_requests_are_400_with_message(client, path, body, needle):
     r = await client.post(path, json=body)
