@@ -18,6 +18,7 @@ from common.drain import DrainGate, wait_drained
 from common.grpc_util import (add_health_and_reflection, bind, create_server, freeze_heap, set_serving,
                               wait_for_signal)
 from common.metrics import get_metrics
+from common.trace_profile import add_profile_service
 from common.service_args import write_ready_file
 
 log = logging.getLogger("splitserve.runtime")
@@ -54,6 +55,7 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     gate = DrainGate(service)
     server = create_server(auth, [gate])
     names = register(server)
+    add_profile_service(server, engine, service, getattr(args, "profile_dir", None))
     hs = add_health_and_reflection(server, names)
     port = bind(server, args.host, args.port, auth)
     if started is not None:

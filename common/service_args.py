@@ -27,6 +27,9 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--log-level", default=None, help="DEBUG/INFO/WARNING (SPLITSERVE_LOG_LEVEL)")
     p.add_argument("--ready-file", default=None,
                    help="write 'grpc_port metrics_port' here once serving (tests, supervisors)")
+    p.add_argument("--profile-dir", default=None,
+                   help="allow `splitserve profile`: torch.profiler traces of N engine steps are "
+                        "written here as Chrome trace JSON (default off)")
     p.add_argument("--drain-timeout-s", type=float, default=env_float("SPLITSERVE_DRAIN_TIMEOUT_S", 30.0),
                    help="on SIGTERM / SIGINT: refuse new work, let requests in flight finish for "
                         "up to this long, then exit")

@@ -1,15 +1,19 @@
-"""OpenTelemetry tracing for the three services, configured by the standard OTEL_* variables.
+"""OpenTelemetry tracing and GenAI metrics for the three services, configured by environment.
 
     OTEL_TRACES_EXPORTER         otlp | console | none   (default here: none -> quiet, no-op spans)
     OTEL_EXPORTER_OTLP_ENDPOINT  e.g. http://127.0.0.1:4317 (OTLP/gRPC; the SDK reads it itself)
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT  wins over the above for traces
+    OTEL_METRICS_EXPORTER        otlp | console | none   (default none): gen_ai.server.* histograms
     OTEL_SERVICE_NAME            wins over the service name passed to setup_tracing()
     OTEL_SDK_DISABLED=true       no tracing at all
     OTEL_BSP_SCHEDULE_DELAY      batch export delay in ms (tests set it low)
+    SPLITSERVE_TRACE_FILE        also append spans to this OTLP/JSON-lines file (`splitserve trace`)
 
-One request is one trace: the gateway injects W3C `traceparent` into the gRPC metadata of
-every downstream call (`inject_metadata`), prefill/decode extract it (`extract_context` /
-`server_span`). Span attributes follow the OpenTelemetry GenAI conventions (`GenAI` below).
+With an exporter on, the gRPC servers and channels are instrumented by
+opentelemetry-instrumentation-grpc: standard `rpc.*` spans, and W3C trace context in the
+metadata of every call, so one request is one trace across gateway, prefill and decode. Our
+own spans (admission, reserve, prefill, KV handoff, decode) nest under those rpc spans; the
+gateway's request span follows the GenAI conventions (common/trace_genai.py).
 
 Tests: `add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))` in-process, or
 `tests.e2e.otlp_receiver.OTLPTraceReceiver` across processes.
@@ -19,39 +23,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from typing import Iterable, Iterator, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.propagators.textmap import Getter, Setter
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from common.trace_genai import GenAI, request_attributes, server_endpoint, span_name, usage_attributes
+
+__all__ = ["GenAI", "request_attributes", "server_endpoint", "span_name", "usage_attributes",
+           "setup_tracing", "span", "server_span", "set_attrs", "inject_metadata", "extract_context"]
 
 log = logging.getLogger("splitserve.telemetry")
 
 _provider = None  # the TracerProvider this module installed (None -> API no-op provider)
-
-
-class GenAI:
-    """Attribute names (OpenTelemetry semantic conventions for GenAI, plus latency extras)."""
-    SYSTEM = "gen_ai.system"  # "splitserve"
-    OPERATION = "gen_ai.operation.name"  # "text_completion" | "chat"
-    REQUEST_MODEL = "gen_ai.request.model"
-    REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
-    REQUEST_TEMPERATURE = "gen_ai.request.temperature"
-    REQUEST_TOP_P = "gen_ai.request.top_p"
-    REQUEST_TOP_K = "gen_ai.request.top_k"
-    RESPONSE_ID = "gen_ai.response.id"
-    RESPONSE_MODEL = "gen_ai.response.model"
-    RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
-    # both the older (prompt/completion) and newer (input/output) usage names are set
-    USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
-    USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
-    USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
-    USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-    USAGE_CACHED_TOKENS = "gen_ai.usage.cached_tokens"
-    TTFT = "gen_ai.latency.time_to_first_token"  # seconds
-    TPOT = "gen_ai.latency.time_per_output_token"  # seconds
-    E2E = "gen_ai.latency.e2e"  # seconds
+_meter_provider = None
 
 
 class KV:
@@ -69,18 +56,25 @@ def _env(name: str, default: str = "") -> str:
     return os.environ.get(name, default).strip()
 
 
-def setup_tracing(service_name: str, *, force: bool = False):
-    """Install a global TracerProvider according to OTEL_* (idempotent; returns it or None).
+def _list_env(name: str) -> list[str]:
+    return [e for e in (x.strip().lower() for x in _env(name, "none").split(",")) if e and e != "none"]
 
-    none/unset -> no provider: spans are no-ops (context still propagates, costs ~nothing).
-    """
+
+def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | None = None):
+    """Install a global TracerProvider (and MeterProvider) according to OTEL_* and
+    SPLITSERVE_TRACE_FILE (idempotent; returns the TracerProvider or None).
+
+    Nothing configured -> no provider: spans are no-ops and gRPC is not instrumented."""
     global _provider
     if _provider is not None and not force:
         return _provider
     if _env("OTEL_SDK_DISABLED").lower() == "true":
         return None
-    exporters = [e.strip().lower() for e in _env("OTEL_TRACES_EXPORTER", "none").split(",") if e.strip()]
-    exporters = [e for e in exporters if e != "none"]
+    exporters = _list_env("OTEL_TRACES_EXPORTER")
+    trace_file = trace_file or _env("SPLITSERVE_TRACE_FILE") or None
+    meter_provider = _setup_metrics(service_name)
+    if not exporters and not trace_file and meter_provider is None:
+        return None
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -94,9 +88,51 @@ def setup_tracing(service_name: str, *, force: bool = False):
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         else:
             raise ValueError(f"OTEL_TRACES_EXPORTER={e!r} is not supported; use otlp, console or none")
+    if trace_file:
+        from common.trace_otlp import file_span_exporter
+
+        provider.add_span_processor(BatchSpanProcessor(file_span_exporter(trace_file)))
+    if meter_provider is not None:
+        from common.trace_genai import GenAIMetricsProcessor
+
+        provider.add_span_processor(GenAIMetricsProcessor(meter_provider.get_meter("splitserve")))
     _set_provider(provider)
-    log.info("tracing: service=%s exporters=%s", name, exporters or ["none (in-process only)"])
+    from common.trace_grpc import instrument_grpc
+
+    instrument_grpc(provider)
+    log.info("tracing: service=%s exporters=%s%s metrics=%s", name, exporters or ["none"],
+             f" file={trace_file}" if trace_file else "", _list_env("OTEL_METRICS_EXPORTER") or "none")
     return provider
+
+
+def _setup_metrics(service_name: str):
+    """A MeterProvider exporting per OTEL_METRICS_EXPORTER, or None when that is none/unset."""
+    global _meter_provider
+    exporters = _list_env("OTEL_METRICS_EXPORTER")
+    if not exporters:
+        return None
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    readers = []
+    for e in exporters:
+        if e == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+            endpoint = _env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
+            exp = OTLPMetricExporter(endpoint=endpoint or None,
+                                     insecure=endpoint.startswith("http://") if endpoint else True)
+        elif e == "console":
+            exp = ConsoleMetricExporter()
+        else:
+            raise ValueError(f"OTEL_METRICS_EXPORTER={e!r} is not supported; use otlp, console or none")
+        readers.append(PeriodicExportingMetricReader(exp))
+    name = _env("OTEL_SERVICE_NAME") or service_name
+    _meter_provider = MeterProvider(metric_readers=readers, resource=Resource.create({SERVICE_NAME: name}))
+    metrics.set_meter_provider(_meter_provider)
+    return _meter_provider
 
 
 def _otlp_exporter():
@@ -143,6 +179,11 @@ def add_span_processor(processor, service_name: str = "test"):
 
 def shutdown_tracing() -> None:
     """Flush and stop exporters (call on service shutdown so the last spans are not lost)."""
+    if _meter_provider is not None:
+        try:
+            _meter_provider.shutdown()
+        except Exception:  # pragma: no cover - exporter already gone
+            log.debug("metrics shutdown failed", exc_info=True)
     if _provider is not None:
         try:
             _provider.shutdown()
@@ -159,47 +200,33 @@ def get_tracer(name: str = "splitserve"):
     return trace.get_tracer(name)
 
 
-# ---- W3C trace context over gRPC metadata ---------------------------------------------------
-
-class _MetadataSetter(Setter):
-    def set(self, carrier: list, key: str, value: str) -> None:
-        carrier.append((key.lower(), value))
-
-
-class _MetadataGetter(Getter):
-    def get(self, carrier, key: str):
-        key = key.lower()
-        vals = [v for k, v in _pairs(carrier) if k == key]
-        return vals or None
-
-    def keys(self, carrier) -> list[str]:
-        return [k for k, _ in _pairs(carrier)]
-
+# ---- W3C trace context by hand: REST headers, and gRPC where no instrumentation runs ------
 
 def _pairs(carrier) -> Iterable[tuple[str, str]]:
     if carrier is None:
         return ()
-    if isinstance(carrier, dict):
+    if hasattr(carrier, "items"):
         return carrier.items()
     # grpc.aio gives a tuple of _Metadatum(key, value); plain tuples also work
     return ((m[0], m[1]) for m in carrier)
 
 
 def inject_metadata(metadata: Sequence[tuple[str, str]] | None = None, ctx=None) -> tuple:
-    """-> metadata tuple with `traceparent` (+ `tracestate`) of the current (or given) span."""
-    out = list(metadata or ())
-    propagate.inject(out, context=ctx, setter=_MetadataSetter())
-    return tuple(out)
+    """-> metadata tuple with `traceparent` (+ `tracestate`) of the current (or given) span.
+    Instrumented channels inject it themselves (and replace this one)."""
+    carrier: dict = {}
+    propagate.inject(carrier, context=ctx)
+    return (*(metadata or ()), *carrier.items())
 
 
 def extract_context(metadata) -> otel_context.Context:
-    """Context carried by incoming gRPC metadata (context.invocation_metadata()) or a dict."""
-    return propagate.extract(metadata, getter=_MetadataGetter())
+    """Context carried by HTTP headers, gRPC metadata (context.invocation_metadata()) or a dict."""
+    return propagate.extract({str(k).lower(): v for k, v in _pairs(metadata)})
 
 
 def has_trace_context(metadata) -> bool:
     """Whether gRPC metadata / headers carry a W3C traceparent."""
-    return metadata is not None and any(k.lower() == "traceparent" for k, _ in _pairs(metadata))
+    return metadata is not None and any(str(k).lower() == "traceparent" for k, _ in _pairs(metadata))
 
 
 def current_trace_id() -> str | None:
@@ -211,14 +238,15 @@ def current_trace_id() -> str | None:
 
 @contextlib.contextmanager
 def span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: dict | None = None,
-         context: otel_context.Context | None = None, tracer_name: str = "splitserve") -> Iterator:
+         context: otel_context.Context | None = None, tracer_name: str = "splitserve",
+         start_time: int | None = None) -> Iterator:
     """Current-span context manager; an exception marks the span ERROR and is re-raised.
     asyncio.CancelledError is recorded as a cancelled request, not an error."""
     import asyncio
 
     tracer = trace.get_tracer(tracer_name)
     with tracer.start_as_current_span(name, context=context, kind=kind,
-                                      attributes=_clean(attributes),
+                                      attributes=_clean(attributes), start_time=start_time,
                                       record_exception=False, set_status_on_exception=False) as sp:
         try:
             yield sp
@@ -228,17 +256,53 @@ def span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: dict | No
         except BaseException as e:
             sp.record_exception(e)
             sp.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+            sp.set_attribute(GenAI.ERROR_TYPE, error_type(e))
             raise
+
+
+def error_type(e: BaseException) -> str:
+    """error.type: the gRPC status name (RESOURCE_EXHAUSTED, ...) where the error carries one,
+    else the exception's class name."""
+    code = getattr(e, "code", None)
+    if callable(code):  # grpc.RpcError / AioRpcError
+        try:
+            code = code()
+        except Exception:  # noqa: BLE001 - not a gRPC error after all
+            code = None
+    name = getattr(code, "name", None)
+    return name if isinstance(name, str) and name else type(e).__qualname__
 
 
 @contextlib.contextmanager
 def server_span(name: str, metadata, *, attributes: dict | None = None) -> Iterator:
-    """A SERVER span that continues the caller's trace from its gRPC metadata (or from the
-    servicer context it came with: context.invocation_metadata())."""
+    """The handler's span: a child of the gRPC instrumentation's rpc SERVER span when that is
+    current (tracing on), else a SERVER span continuing the trace in the call's metadata (or
+    in the servicer context it came with: context.invocation_metadata())."""
+    cur = trace.get_current_span().get_span_context()
+    if cur.is_valid and not cur.is_remote:
+        with span(name, attributes=attributes) as sp:
+            yield sp
+        return
     if hasattr(metadata, "invocation_metadata"):
         metadata = metadata.invocation_metadata() or ()
     with span(name, kind=SpanKind.SERVER, attributes=attributes,
               context=extract_context(metadata)) as sp:
+        yield sp
+
+
+@contextlib.contextmanager
+def request_span(operation: str, model: str, params, request_id: str, metadata=None,
+                 arrival: float | None = None) -> Iterator:
+    """The gateway's GenAI span of one request, `{operation} {model}`, from its arrival
+    (time.monotonic()) on: INTERNAL under a current server span (the gRPC instrumentation's or
+    the HTTP server's); else a SERVER span continuing the traceparent in metadata."""
+    cur = trace.get_current_span().get_span_context()
+    nested = cur.is_valid and not cur.is_remote
+    ctx = extract_context(metadata) if not nested and has_trace_context(metadata) else None
+    attrs = {**request_attributes(model, params, operation, request_id), **server_endpoint(metadata)}
+    start = None if arrival is None else time.time_ns() - int((time.monotonic() - arrival) * 1e9)
+    with span(span_name(operation, model), kind=SpanKind.INTERNAL if nested else SpanKind.SERVER,
+              context=ctx, attributes=attrs, start_time=start) as sp:
         yield sp
 
 
@@ -259,22 +323,3 @@ def _clean(attributes: dict | None) -> dict:
             v = str(v)
         out[k] = v
     return out
-
-
-def request_attributes(model: str, params, operation: str = "text_completion") -> dict:
-    """GenAI request attributes from a SamplingParams-like object."""
-    return {GenAI.SYSTEM: "splitserve", GenAI.OPERATION: operation, GenAI.REQUEST_MODEL: model,
-            GenAI.REQUEST_MAX_TOKENS: getattr(params, "max_tokens", None),
-            GenAI.REQUEST_TEMPERATURE: getattr(params, "temperature", None),
-            GenAI.REQUEST_TOP_P: getattr(params, "top_p", None),
-            GenAI.REQUEST_TOP_K: getattr(params, "top_k", None)}
-
-
-def usage_attributes(prompt_tokens: int, completion_tokens: int, *, cached_tokens: int | None = None,
-                     ttft_s: float | None = None, tpot_s: float | None = None,
-                     e2e_s: float | None = None, finish_reason: str | None = None) -> dict:
-    return {GenAI.USAGE_PROMPT_TOKENS: prompt_tokens, GenAI.USAGE_INPUT_TOKENS: prompt_tokens,
-            GenAI.USAGE_COMPLETION_TOKENS: completion_tokens,
-            GenAI.USAGE_OUTPUT_TOKENS: completion_tokens, GenAI.USAGE_CACHED_TOKENS: cached_tokens,
-            GenAI.TTFT: ttft_s, GenAI.TPOT: tpot_s, GenAI.E2E: e2e_s,
-            GenAI.RESPONSE_FINISH_REASONS: [finish_reason] if finish_reason else None}

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable, Mapping, TypeVar
 from engine.config import EngineConfig
 from engine.engine import Engine, RequestOutput
 from engine.kv_blocks import KVBlocks
+from engine.profiling import StepProfiler
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("splitserve.engine.async")
@@ -27,9 +28,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, cfg: EngineConfig | None = None, engine: Engine | None = None):
+    def __init__(self, cfg: EngineConfig | None = None, engine: Engine | None = None,
+                 profiler: StepProfiler | None = None):
         self.cfg = cfg
         self.engine = engine
+        self.profiler = profiler if profiler is not None else StepProfiler()  # profile()
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -81,6 +84,14 @@ class AsyncEngine:
         return self._dead
 
     # ---- requests -------------------------------------------------------------------
+    async def profile(self, steps: int, path: str, timeout_s: float = 60.0) -> dict:
+        """torch.profiler over the next `steps` engine steps, as a Chrome trace at `path`
+        (fewer steps if timeout_s passes first) -> {"path", "steps", "wall_s"}."""
+        self._check_alive()
+        fut = self.profiler.request(steps, path, timeout_s)
+        # NOTE: the engine thread answers within timeout_s plus one step and the export
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s + 120)
+
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine thread between steps and return its result."""
         self._check_alive()
@@ -239,8 +250,11 @@ class AsyncEngine:
                             return
                 except queue.Empty:
                     pass
+                self.profiler.tick()
                 if eng.has_unfinished():
-                    self._deliver_all(eng.step())
+                    with self.profiler.step():
+                        outs = eng.step()
+                    self._deliver_all(outs)
                     self._stats = eng.stats()
                 else:
                     self._stats = eng.stats()

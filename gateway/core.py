@@ -147,18 +147,13 @@ class GatewayCore(AdmitPath, Downstream):
                 task.cancel()
 
     async def _run(self, req: GenRequest, metadata, q: asyncio.Queue) -> None:
-        # NOTE: without an incoming traceparent keep the current context (e.g. the HTTP server's
-        # span) instead of starting from an empty one
-        ctx = telemetry.extract_context(metadata) if telemetry.has_trace_context(metadata) else None
         outcome = "error"
         self.num_active += 1
         self.metrics.running.inc()
         route = Route()
         try:
-            with telemetry.span("gateway.generate", kind=telemetry.SpanKind.SERVER, context=ctx,
-                                attributes={**telemetry.request_attributes(
-                                    self.model_name, req.params, req.operation),
-                                    "splitserve.request_id": req.request_id}) as sp:
+            with telemetry.request_span(req.operation, self.model_name, req.params,
+                                        req.request_id, metadata, arrival=req.arrival) as sp:
                 async for chunk in self._generate(req, sp, route):
                     if chunk.finish_reason:
                         outcome = chunk.finish_reason

@@ -162,7 +162,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             n_blocks = -(-len(prompt) // self.layout.block_size)
             set_attrs(sp, {"splitserve.kv.bytes": nbytes, "splitserve.kv.blocks": n_blocks,
                            "splitserve.kv.backend": backend,
-                           "gen_ai.usage.cached_tokens": first.num_cached_tokens})
+                           "gen_ai.usage.cache_read.input_tokens": first.num_cached_tokens})
             return prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=tok, first_logprob=lp,
                 num_prompt_tokens=first.num_prompt_tokens or len(prompt),

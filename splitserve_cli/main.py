@@ -6,6 +6,8 @@
     splitserve chat                          interactive chat over gRPC
     splitserve bench [--rate R ...]          serving benchmark against a running server
     splitserve tokenizer export [DIR]        the served model's tokenizer as a HF tokenizer dir
+    splitserve trace serve|show|top          request traces: receiver, waterfall, slowest
+    splitserve profile --service decode      torch.profiler trace of a running service's steps
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    from splitserve_cli import client, tokenizer_cmd, up
+    from splitserve_cli import client, profile_cmd, tokenizer_cmd, trace_cmd, up
 
     up.add_args(sub.add_parser("up", help="run prefill, decode and gateway together "
                                "(unknown flags are forwarded to prefill and decode)"))
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="serving benchmark (bench/serve.py; `splitserve bench --help`)")
     tokenizer_cmd.add_args(sub.add_parser("tokenizer", help="export the served model's tokenizer "
                                           "(HF tokenizer directory for tools)"))
+    trace_cmd.add_args(sub.add_parser("trace", help="request traces: OTLP receiver, waterfall, "
+                                      "slowest requests"))
+    profile_cmd.add_args(sub.add_parser("profile", help="record a torch.profiler trace of the next "
+                                        "N engine steps of a running service"))
     a, extra = p.parse_known_args(argv)
     if a.cmd == "up":
         return up.run_up(a, extra)
@@ -54,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "tokenizer":
         return tokenizer_cmd.run(a)
+    if a.cmd == "trace":
+        return trace_cmd.run(a)
+    if a.cmd == "profile":
+        return profile_cmd.run(a)
     return client.run_client(a, chat=a.cmd == "chat")
 
 

@@ -27,9 +27,9 @@ def test_trace_context_round_trip_through_metadata(spans):
     got = {s.name: s for s in spans.get_finished_spans()}
     assert got["child"].context.trace_id == got["parent"].context.trace_id
     assert got["child"].parent.span_id == got["parent"].context.span_id
-    assert got["child"].attributes["gen_ai.usage.prompt_tokens"] == 3
-    assert got["child"].attributes["gen_ai.usage.completion_tokens"] == 5
-    assert got["child"].attributes["gen_ai.latency.time_to_first_token"] == 0.1
+    assert got["child"].attributes["gen_ai.usage.input_tokens"] == 3
+    assert got["child"].attributes["gen_ai.usage.output_tokens"] == 5
+    assert got["child"].attributes["gen_ai.response.time_to_first_chunk"] == 0.1
     assert "skip" not in got["parent"].attributes
 
 
