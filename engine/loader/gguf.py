@@ -48,10 +48,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _open(path: str):
-    from gguf import GGUFReader
+    from engine.loader.gguf_fast import GGUFFile  # gguf.GGUFReader's interface, ~20x faster
 
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:  # bad magic, truncated file, bad offsets: all corrupt to us
         raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from None
 
