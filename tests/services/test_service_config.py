@@ -48,7 +48,8 @@ def test_bad_values_are_named(monkeypatch):
 
 def test_bad_flag_exits_2_with_message():
     r = subprocess.run([sys.executable, "-m", "decode_svc", "--block-size", "7", "--model",
-                        "dummy:tiny-llama"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                        "dummy:tiny-llama", "--insecure-internal"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 2 and "block_size must be 16 or 32" in r.stderr
 
 
