@@ -22,7 +22,7 @@ import threading
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest, start_http_server)
 
-from common.metrics_export import exposed_registry
+from common.metrics_export import EXPORTS, exposed_registry
 
 log = logging.getLogger("splitserve.metrics")
 
@@ -37,18 +37,6 @@ _RATIO = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)  # observed 
 
 ADMISSION_DECISIONS = ("admit", "queue", "reject")
 
-# the series groups each role exports (a role not listed, e.g. a unit test's, exports all):
-# request: outcomes, queue time, running / waiting   latency: TTFT, TPOT, e2e   itl: token gaps
-# prompt / generation: token counters and per-request length histograms   prefill / decode: the
-# phase's time per request   engine: scheduler, KV cache, steps, graphs   kv: KV transfer
-# gateway: admission, routing, replicas as polled
-EXPORTS = {
-    "gateway": frozenset({"request", "latency", "itl", "prompt", "generation", "gateway"}),
-    "prefill": frozenset({"request", "prompt", "prefill", "engine", "kv"}),
-    # prompt / prefill: requests prefilled on decode itself (prefill_here)
-    "decode": frozenset({"request", "itl", "prompt", "prefill", "generation", "decode", "engine",
-                         "kv"}),
-}
 # per-kind CUDA-graph stats keys (engine/graphs.py graph_metrics)
 _GRAPH_KEY = re.compile(r"^cuda_graph_([a-z]+)_(captured_count|replay_total|capture_failed_total"
                         r"|fallback_([a-z_]+)_total)$")

@@ -1,11 +1,25 @@
-"""Exposition of a ServiceMetrics registry: the served model's name as a `model_name` label on
-every sample (as vLLM labels its series), added at scrape time so no call site names it."""
+"""What a ServiceMetrics registry exposes: the series groups of each role (EXPORTS), and the
+served model's name as a `model_name` label on every sample (as vLLM labels its series), added
+at scrape time so no call site names it."""
 from __future__ import annotations
 
 from typing import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
+
+# the series groups each role exports (a role not listed, e.g. a unit test's, exports all):
+# request: outcomes, queue time, running / waiting   latency: TTFT, TPOT, e2e   itl: token gaps
+# prompt / generation: token counters and per-request length histograms   prefill / decode: the
+# phase's time per request   engine: scheduler, KV cache, steps, graphs   kv: KV transfer
+# gateway: admission, routing, replicas as polled
+EXPORTS = {
+    "gateway": frozenset({"request", "latency", "itl", "prompt", "generation", "gateway"}),
+    "prefill": frozenset({"request", "prompt", "prefill", "engine", "kv"}),
+    # prompt / prefill: requests prefilled on decode itself (prefill_here)
+    "decode": frozenset({"request", "itl", "prompt", "prefill", "generation", "decode", "engine",
+                         "kv"}),
+}
 
 
 class ModelLabel:
