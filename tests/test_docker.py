@@ -131,3 +131,12 @@ def test_cpu_image_has_no_triton():
     assert "nvidia" not in df.baseimage and "[gpu]" not in runs and "triton" not in runs.replace(
         "find_spec('triton')", "")
     assert df.args["TORCH_INDEX_URL"].endswith("/cpu")
+
+
+def test_dashboard_gateway_job_is_the_prometheus_job():
+    prom = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    gw_job = next(j["job_name"] for j in prom["scrape_configs"]
+                  if any(t.startswith("gateway:") for sc in j["static_configs"] for t in sc["targets"]))
+    dash = json.loads((DOCKER / "grafana" / "dashboards" / "splitserve.json").read_text())
+    var = next(v for v in dash["templating"]["list"] if v["name"] == "gateway_job")
+    assert var["current"]["value"] == var["query"] == gw_job
