@@ -266,7 +266,7 @@ class GatewayCore(AdmitPath, Downstream):
         call = None
         done = False
         try:
-            with telemetry.span("decode.Decode", kind=telemetry.SpanKind.CLIENT,
+            with telemetry.span("decode.Decode",
                                 attributes={"splitserve.replica": dec.address}):
                 call = dec.stub.Decode(decode_pb2.DecodeRequest(
                     request_id=req.request_id, transfer_id=ticket.transfer_id if ticket else "",

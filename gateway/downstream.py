@@ -101,7 +101,7 @@ class Downstream:
         for r in order_decode(self.decode.replicas, self.predictor):
             if not r.healthy:
                 continue
-            with telemetry.span("decode.Reserve", kind=telemetry.SpanKind.CLIENT,
+            with telemetry.span("decode.Reserve",
                                 attributes={"splitserve.replica": r.address}):
                 try:
                     resp = await r.stub.Reserve(decode_pb2.ReserveRequest(
@@ -154,7 +154,7 @@ class Downstream:
             # prompt sent to an otherwise idle replica times the compute the fit models
             route.alone = p.load.inflight_requests == 1 and not p.load.queued_tokens
             try:
-                with telemetry.span("prefill.Prefill", kind=telemetry.SpanKind.CLIENT,
+                with telemetry.span("prefill.Prefill",
                                     attributes={"splitserve.replica": p.address}):
                     resp = await p.stub.Prefill(prefill_pb2.PrefillRequest(
                         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,

@@ -67,6 +67,13 @@ def run(a: argparse.Namespace) -> int:
 def _serve(a: argparse.Namespace) -> int:
     from common.trace_otlp import JsonLinesWriter, request_to_json, serve_receiver
 
+    from common.grpc_util import PortInUseError, check_ports_free
+
+    try:
+        check_ports_free(a.host, [("OTLP receiver", a.port)])
+    except PortInUseError as e:
+        print(f"splitserve trace serve: {e}", file=sys.stderr)
+        return 1
     writer = JsonLinesWriter(a.out)
     count = [0]
 

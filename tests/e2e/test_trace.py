@@ -8,8 +8,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -21,6 +19,7 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes
 from common.trace_otlp import read_spans
 from protos import generate_pb2, generate_pb2_grpc
 from tests import harness
+from splitserve_cli.main import main
 from tests.e2e.otlp_receiver import OTLPTraceReceiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -145,12 +144,15 @@ async def test_grpc_generate_and_an_error(stack):
             assert p.attributes["gen_ai.provider.name"] == "splitserve" and p.count >= 1
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "splitserve_cli", "trace", *args], capture_output=True,
-                          text=True, timeout=60, cwd=harness.ROOT, env=harness.child_env())
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`splitserve trace ARGS` in this process -> (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main(["trace", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
-async def test_waterfall_from_the_services_file(stack):
+async def test_waterfall_from_the_services_file(stack, capsys):
     async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as c:
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": list(range(3, 30)),
                                                   "max_tokens": 6, "ignore_eos": True,
@@ -164,15 +166,15 @@ async def test_waterfall_from_the_services_file(stack):
         return {line[:12].strip() for line in table}
 
     for _ in range(50):  # the file exporters flush on their own batch schedule
-        r = _cli("show", stack.spans_file, "--request-id", "wf-1")
-        if r.returncode == 0 and phases(r.stdout) >= want:
+        rc, out, err = _cli(capsys, "show", stack.spans_file, "--request-id", "wf-1")
+        if rc == 0 and phases(out) >= want:
             break
         time.sleep(0.2)
-    assert r.returncode == 0, r.stderr
-    assert phases(r.stdout) == want, r.stdout
-    assert f"text_completion {MODEL}" in r.stdout and "#" in r.stdout
-    top = _cli("top", stack.spans_file, "-n", "2")
-    assert top.returncode == 0 and len(top.stdout.strip().splitlines()) == 4, top.stdout
+    assert rc == 0, err
+    assert phases(out) == want, out
+    assert f"text_completion {MODEL}" in out and "#" in out
+    rc, out, _ = _cli(capsys, "top", stack.spans_file, "-n", "2")
+    assert rc == 0 and len(out.strip().splitlines()) == 4, out
     assert any(s.name == "prefill" for s in read_spans([stack.spans_file]))
-    missing = _cli("show", stack.spans_file, "--request-id", "no-such")
-    assert missing.returncode == 1 and "no-such" in missing.stderr
+    rc, _, err = _cli(capsys, "show", stack.spans_file, "--request-id", "no-such")
+    assert rc == 1 and "no-such" in err

@@ -1,24 +1,25 @@
 """Profiling on demand: a decode service started with --profile-dir records a torch.profiler
 trace of its next N engine steps when `splitserve profile` (the Profiler admin RPC) asks, and
 writes a Chrome trace that parses as JSON with one range per step; an idle service ends the
-profile at the timeout; bad requests and a service without --profile-dir get a clear status."""
+profile at the timeout; bad requests, a caller without the internal secret and a service
+without --profile-dir get a clear status."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 
 import grpc
 import pytest
 
+from common.auth import InternalAuth, generate_secret, read_secret_file, write_secret_file
 from common.convert import params_to_pb
 from common.trace_profile import add_profile_service, call_profile
 from engine.sampling_params import SamplingParams
 from protos import decode_pb2, decode_pb2_grpc
+from splitserve_cli.main import main
 from tests import harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -27,15 +28,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 @pytest.fixture(scope="module")
 def decode():
     out = tempfile.mkdtemp(prefix="profiles-")
-    p = harness.start_service("decode_svc", ["--profile-dir", out])
-    p.profile_dir = out
+    secret_file = os.path.join(out, "secret")
+    write_secret_file(secret_file, generate_secret())
+    p = harness.start_service("decode_svc", ["--profile-dir", out, "--internal-secret-file", secret_file])
+    p.profile_dir, p.secret_file = out, secret_file
+    p.auth = InternalAuth(secret=read_secret_file(secret_file))
     yield p
     p.stop()
 
 
-async def _generate(address: str, n: int) -> int:
+async def _generate(decode, n: int) -> int:
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with decode.auth.channel(decode.address) as ch:
         call = decode_pb2_grpc.DecodeStub(ch).Decode(decode_pb2.DecodeRequest(
             request_id="profiled", prompt_token_ids=list(range(3, 20)), params=params_to_pb(params),
             prefill_here=True), timeout=60)
@@ -44,11 +48,12 @@ async def _generate(address: str, n: int) -> int:
 
 def test_profile_records_the_next_steps(decode):
     got = {}
-    t = threading.Thread(target=lambda: got.update(call_profile(decode.address, 3, 60.0)))
+    md = decode.auth.metadata()
+    t = threading.Thread(target=lambda: got.update(call_profile(decode.address, 3, 60.0, md)))
     t.start()
     n = 0
     while t.is_alive() and n < 200:  # steps only run while a request does
-        n += asyncio.run(_generate(decode.address, 16))
+        n += asyncio.run(_generate(decode, 16))
     t.join(60)
     assert got["steps"] == 3 and got["path"].startswith(decode.profile_dir), got
     with open(got["path"]) as f:
@@ -57,26 +62,32 @@ def test_profile_records_the_next_steps(decode):
     assert len(steps) == 3, steps
 
 
-def test_cli_on_an_idle_service_stops_at_the_timeout(decode):
-    r = subprocess.run([sys.executable, "-m", "splitserve_cli", "profile", "--service", "decode",
-                        "--address", decode.address, "--steps", "5", "--timeout", "0.5"],
-                       capture_output=True, text=True, timeout=60, cwd=harness.ROOT,
-                       env=harness.child_env())
-    assert r.returncode == 0, r.stderr
-    path = r.stdout.split()[0]
-    assert "(0 steps" in r.stdout and os.path.dirname(path) == decode.profile_dir
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`splitserve profile ARGS` in this process -> (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main(["profile", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_on_an_idle_service_stops_at_the_timeout(decode, capsys):
+    rc, out, err = _cli(capsys, "--service", "decode", "--address", decode.address, "--steps", "5",
+                        "--timeout", "0.5", "--internal-secret-file", decode.secret_file)
+    assert rc == 0, err
+    path = out.split()[0]
+    assert "(0 steps" in out and os.path.dirname(path) == decode.profile_dir
     with open(path) as f:
         assert isinstance(json.load(f), dict)
 
 
-def test_bad_requests(decode):
+def test_bad_requests(decode, capsys):
     with pytest.raises(grpc.RpcError) as ei:
-        call_profile(decode.address, 0, 5.0)
+        call_profile(decode.address, 0, 5.0, decode.auth.metadata())
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "steps" in ei.value.details()
-    r = subprocess.run([sys.executable, "-m", "splitserve_cli", "profile", "--steps", "0"],
-                       capture_output=True, text=True, timeout=60, cwd=harness.ROOT,
-                       env=harness.child_env())
-    assert r.returncode == 2 and "--steps" in r.stderr
+    rc, _, err = _cli(capsys, "--steps", "0")
+    assert rc == 2 and "--steps" in err
+    rc, _, err = _cli(capsys, "--address", decode.address, "--steps", "1", "--timeout", "1")  # no secret
+    assert rc == 1 and "UNAUTHENTICATED" in err, err
 
 
 async def test_without_profile_dir_is_failed_precondition():
