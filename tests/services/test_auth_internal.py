@@ -42,8 +42,9 @@ def secret_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def services(secret_file):
-    flags = ["--internal-secret-file", secret_file]
-    with harness.service_pair(flags, [*flags, "--reserve-ttl-s", "1.5"]) as pair:
+    flags = ["--internal-secret-file", secret_file]  # KV over PushKV (e2e pool / dist: elsewhere)
+    with harness.service_pair([*flags, "--kv-transfer-backend", "grpc"],
+                              [*flags, "--reserve-ttl-s", "1.5"]) as pair:
         yield pair
 
 
@@ -94,8 +95,10 @@ async def test_every_internal_rpc_needs_the_secret(services):
                 assert h.status == health_pb2.HealthCheckResponse.SERVING
     c = Client(pre.address, dec.address, _auth())
     try:  # with the secret the whole path works (tickets signed, prefill verifies them)
-        toks, msgs = await c.generate("ok-1", PROMPT, GREEDY)
-        assert len(toks) == GREEDY.max_tokens and msgs[-1].finish_reason
+        _, pre_resp, call = await c.start("ok-1", PROMPT, GREEDY)
+        assert pre_resp.kv_backend == "grpc" and pre_resp.kv_bytes > 0
+        msgs = [m async for m in call]
+        assert 1 + sum(len(m.token_ids) for m in msgs) == GREEDY.max_tokens and msgs[-1].finish_reason
     finally:
         await c.close()
 
