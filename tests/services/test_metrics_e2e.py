@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import httpx
+import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -155,9 +156,19 @@ def test_decode_counts_finished_streams_as_finished(scraped):
 
 
 def _metric_names(expr: str) -> set[str]:
-    # NOTE: a series name in PromQL is an identifier not followed by "(" (a function) and not
-    # inside {...} or a "by (...)" clause; every series here starts with splitserve_
-    return set(re.findall(r"\b(splitserve_[a-zA-Z0-9_]+)", expr))
+    """The series a dashboard query reads: label_values(series, label) (a Grafana variable), else
+    the vector selectors of the PromQL, parsed (Grafana's $__rate_interval given a value)."""
+    m = re.fullmatch(r"label_values\((\w+),\s*\w+\)", expr)
+    if m:
+        return {m.group(1)}
+    names: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, promql_parser.VectorSelector):
+            names.add(node.name)
+
+    promql_parser.walk(promql_parser.parse(expr.replace("$__rate_interval", "1m")), visit)
+    return names
 
 
 def _dashboard_queries() -> list[str]:
