@@ -8,12 +8,10 @@ torch.profiler starts and stops on the engine thread (the thread whose steps it 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -35,11 +33,14 @@ class ProfileBusyError(RuntimeError):
 
 class StepProfiler:
     def __init__(self, nvtx: bool | None = None):
-        """nvtx: NVTX range per step; None = on once CUDA is initialised in this process."""
+        """nvtx: NVTX range per step; None = on when CUDA is initialised in this process by the
+        first step (an engine on CUDA has loaded its weights there by then)."""
         self._nvtx = nvtx
         self._lock = threading.Lock()
         self._job: _Job | None = None  # requested or running
         self._step = 0
+        self._rec = self._range = None  # the job recording the current step, its range
+        self._nvtx_now = False
 
     # ---- any thread ------------------------------------------------------------------------
     def request(self, steps: int, path: str, timeout_s: float = 60.0) -> concurrent.futures.Future:
@@ -69,38 +70,40 @@ class StepProfiler:
         elif time.monotonic() >= job.deadline:
             self._finish(job)
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Around one engine step: an NVTX range, and a profiler step while recording."""
+    def step(self) -> "StepProfiler":
+        """Around one engine step (`with profiler.step():`): an NVTX range, and a profiler step
+        while recording. NOTE: plain __enter__/__exit__: tick + step cost ~1 us when neither is on."""
+        return self
+
+    def __enter__(self) -> None:
         self._step += 1
         job = self._job
-        recording = job is not None and job.prof is not None
-        nvtx = self._nvtx_on()
-        if nvtx:
+        self._rec = job if job is not None and job.prof is not None else None
+        if self._nvtx is None:  # decided at the first step: a CUDA engine is up by then
+            self._nvtx = _cuda_up()
+        self._nvtx_now = self._nvtx
+        if self._nvtx_now:
             torch.cuda.nvtx.range_push(f"engine.step {self._step}")
-        try:
-            if recording:
-                with torch.profiler.record_function(f"engine.step {self._step}"):
-                    yield
-            else:
-                yield
-        finally:
-            if nvtx:
-                torch.cuda.nvtx.range_pop()
-            if recording:
-                job.done_steps += 1
-                job.prof.step()
-                if job.done_steps >= job.steps:
-                    self._finish(job)
+        if self._rec is not None:
+            self._range = torch.profiler.record_function(f"engine.step {self._step}")
+            self._range.__enter__()
 
-    def _nvtx_on(self) -> bool:
-        if self._nvtx is None:
-            return torch.cuda.is_available() and torch.cuda.is_initialized()
-        return self._nvtx
+    def __exit__(self, *exc) -> None:
+        job = self._rec
+        if job is not None:
+            self._range.__exit__(*exc)
+            self._rec = self._range = None
+        if self._nvtx_now:
+            torch.cuda.nvtx.range_pop()
+        if job is not None:
+            job.done_steps += 1
+            job.prof.step()
+            if job.done_steps >= job.steps:
+                self._finish(job)
 
     def _start(self, job: _Job) -> None:
         acts = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if _cuda_up():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(job.path)), exist_ok=True)
@@ -127,3 +130,7 @@ class StepProfiler:
         if job is not None and not job.future.done():
             job.future.set_exception(RuntimeError(why))
 
+
+
+def _cuda_up() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
