@@ -193,7 +193,7 @@ def _popen(cmd: list[str], log_path: str, env: dict) -> subprocess.Popen:
 
 def start_splitserve(name: str, flags: list[str], timeout_s: float) -> Server:
     cmd = [sys.executable, "-m", "splitserve_cli", "up", "--http-port", str(free_port()),
-           "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0",
+           "--grpc-port", "0", "--prefill-port", "0", "--decode-port", "0", "--metrics-ports", "0,0",
            "--dtype", "fp32", *flags]
     path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
     env = {**os.environ, "PYTHONPATH": path, "OTEL_TRACES_EXPORTER": "none"}
