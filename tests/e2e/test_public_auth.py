@@ -110,6 +110,18 @@ async def test_grpc_needs_a_key_over_tls(front):
         n = sum([len(m.token_ids) async for m in stub.Generate(req, metadata=md, timeout=30)])
         assert n == 3
 
+        async def generate(n_tokens: int) -> grpc.StatusCode:
+            long = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[3, 4, 5]),
+                                                max_tokens=n_tokens, ignore_eos=True)
+            try:
+                async for _ in stub.Generate(long, metadata=md, timeout=60):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+        codes = set(await asyncio.gather(*(generate(200) for _ in range(6))))
+        assert codes == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+
 
 async def test_concurrency_per_key(front):
     s, cert = front
