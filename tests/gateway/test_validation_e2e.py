@@ -1,7 +1,8 @@
 """Issue 25's hostile requests against the real three processes (tiny model, CPU): each answered
 4xx / INVALID_ARGUMENT / ALREADY_EXISTS naming the field, never 5xx or a hang; a duplicate
 request_id leaves the first request whole; a 30 MiB Tokenize is refused at once; a short
-hypothesis run on both fronts (200 requests each); and afterwards no KV is held on prefill or decode."""
+hypothesis run on both fronts (200 requests each); and afterwards no KV is held on prefill or
+decode."""
 from __future__ import annotations
 
 import asyncio
