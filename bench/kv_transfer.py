@@ -2,7 +2,7 @@
 Llama-3.1-8B cache, 32 layers x 8 KV heads x head_dim 128, bf16, block 16).
 
     python -m bench.kv_transfer [--tokens 128 2048 8192] [--layers 32] [--repeats 5]
-                                [--backends grpc dist nccl peer]
+                                [--backends grpc dist nixl nccl peer]
 
 A receiver runs in its own process (kvtransfer.loopback: the decode-side endpoints in front of
 a paged cache, writes landing in reserved blocks as on decode); this process sends. One
@@ -11,6 +11,8 @@ warm-up transfer (which also sets up the pair). Rows:
 
     grpc   gRPC chunks over loopback (CPU tensors; what prefill does without a direct backend)
     dist   torch.distributed gloo between two CPU processes
+    nixl   NIXL READs (UCX) between two CPU processes, host memory (needs a NIXL wheel,
+           e.g. nixl-cu12; UCX_TLS picks UCX's transports, recorded in the JSON)
     nccl   dist over NCCL, sender cuda:0 -> receiver cuda:1 (needs two GPUs)
     peer   tensor.to('cuda:1') from cuda:0 in one process: the copy-engine ceiling (two GPUs)
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 
@@ -89,8 +92,18 @@ async def run(a) -> list[dict]:
     two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     rows = []
     want = set(a.backends)
-    if want & {"grpc", "dist"}:
-        rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, timeout_s=120)
+    nixl_why = None
+    if "nixl" in want:
+        from kvtransfer.backends.nixl_probe import nixl_api
+
+        try:
+            nixl_api()
+        except ImportError as e:
+            nixl_why = str(e)
+            print(f"skipped nixl: no NIXL wheel imports ({e})", flush=True)
+    if want & {"grpc", "dist"} or ("nixl" in want and nixl_why is None):
+        rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, timeout_s=120,
+                                nixl="nixl" in want and nixl_why is None)
         try:
             senders = []
             if "grpc" in want:
@@ -98,6 +111,13 @@ async def run(a) -> list[dict]:
             if "dist" in want:
                 senders.append(("dist", DistKVSender(local_endpoint("cpu"), host="127.0.0.1",
                                                      op_timeout_s=120, connect_timeout_s=30)))
+            if "nixl" in want and nixl_why is None:
+                from kvtransfer.backends.nixl_sender import NixlKVSender
+
+                # NOTE: staging holds a whole layer of the largest request, with room for two
+                senders.append(("nixl", NixlKVSender(local_endpoint("cpu"), op_timeout_s=120,
+                                                     connect_timeout_s=30,
+                                                     staging_bytes=2 * layout.layer_nbytes(max_blocks))))
             for name, s in senders:
                 for tokens in a.tokens:
                     rows.append(await _bench_sender(name, s, rp, layout, tokens, a.repeats, "cpu"))
@@ -134,12 +154,13 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk-bytes", type=int, default=2 << 20, help="grpc chunk size")
-    ap.add_argument("--backends", nargs="+", default=["grpc", "dist", "nccl", "peer"],
-                    choices=["grpc", "dist", "nccl", "peer"])
+    ap.add_argument("--backends", nargs="+", default=["grpc", "dist", "nixl", "nccl", "peer"],
+                    choices=["grpc", "dist", "nixl", "nccl", "peer"])
     a = ap.parse_args()
     rows = asyncio.run(run(a))
     print_table(rows, ["backend", "tokens", "bytes", "ms", "GB/s", "min_ms"])
     cfg = {k: v for k, v in vars(a).items()}
+    cfg["UCX_TLS"] = os.environ.get("UCX_TLS", "(unset: UCX's choice)")
     cfg["shape"] = (f"{a.layers} layers x 2 x {a.kv_heads} kv heads x {a.head_dim} x {a.dtype}, "
                     f"block {a.block_size}")
     print("wrote", write_result("kv_transfer", cfg, {"rows": rows}))

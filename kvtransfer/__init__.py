@@ -9,8 +9,8 @@
       pair_client.py / pair_sender.py   sender side of the direct backends (PairSession stream)
       pair_service.py                   receiver side: KVTransfer.PairSession (+ PushKV)
       dist.py / dist_group.py           dist: torch.distributed gloo/NCCL pair groups
-      nixl.py / nixl_sender.py          nixl: NIXL READs (decode side / prefill side; tested
-                                        with a fake agent only); nixl_probe.py: is it installed
+      nixl.py / nixl_sender.py          nixl: NIXL READs (decode side / prefill side; the
+                                        nixl-cu12 / -cu13 wheels); nixl_probe.py: which imports
     loopback.py                         a receiver in its own process, for tests and benchmarks
 """
 from kvtransfer.base import KVSender, SendTransfer, send_blocks

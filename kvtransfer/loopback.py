@@ -63,13 +63,13 @@ class ReceiverProc:
     @classmethod
     def spawn(cls, layout: KVLayout, num_blocks: int = 64, device: str = "cpu",
               host: str = "127.0.0.1", timeout_s: float = 30.0, reservation_timeout_s: float = 30.0,
-              wait: bool = True) -> "ReceiverProc":
+              wait: bool = True, nixl: bool = False) -> "ReceiverProc":
         """Start the child; wait=False returns at once (call wait_ready() later), so several
-        can boot in parallel."""
+        can boot in parallel. nixl: also accept nixl pairs (a real agent, the cache registered)."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_child_main, args=(child, asdict(layout), num_blocks, device, host,
-                                                  timeout_s, reservation_timeout_s), daemon=True)
+                                                  timeout_s, reservation_timeout_s, nixl), daemon=True)
         p.start()
         rp = cls(p, parent)
         return rp.wait_ready() if wait else rp
@@ -130,11 +130,11 @@ class ReceiverProc:
             self.kill()
 
 
-def _child_main(conn, layout_kw, num_blocks, device, host, timeout_s, reservation_timeout_s):
+def _child_main(conn, layout_kw, num_blocks, device, host, timeout_s, reservation_timeout_s, nixl=False):
     torch.set_num_threads(1)
     try:
         asyncio.run(_serve(conn, KVLayout(**layout_kw), num_blocks, device, host, timeout_s,
-                           reservation_timeout_s))
+                           reservation_timeout_s, nixl))
     except Exception as e:  # noqa: BLE001 - tell the parent why
         try:
             conn.send(("error", repr(e), {}))
@@ -142,7 +142,7 @@ def _child_main(conn, layout_kw, num_blocks, device, host, timeout_s, reservatio
             pass
 
 
-async def _serve(conn, layout, num_blocks, device, host, timeout_s, reservation_timeout_s):
+async def _serve(conn, layout, num_blocks, device, host, timeout_s, reservation_timeout_s, nixl=False):
     from common.grpc_util import create_server
     from kvtransfer.backends.dist import DistPlane, DistRendezvous
     from kvtransfer.backends.pair_service import KVTransferService
@@ -154,14 +154,27 @@ async def _serve(conn, layout, num_blocks, device, host, timeout_s, reservation_
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     sink = MemorySink(layout, num_blocks, device)
-    rx = KVReceiver(sink, layout, default_timeout_s=reservation_timeout_s, reap_interval_s=0.05)
+    planes = {}
+    if nixl:  # as decode_svc: READs land in reserved blocks, so the sink waits for them on release
+        from kvtransfer.backends.nixl import NixlPlane, make_agent, register_kv_caches
+        from kvtransfer.guard import GuardedSink, InflightGuard
+
+        guard, agent = InflightGuard(), make_agent(f"loopback-{os.getpid()}")
+        register_kv_caches(agent, sink.cache)
+
+        async def block_ids_of(rid):
+            return sink.block_ids[rid]
+
+        planes["nixl"] = lambda: NixlPlane(agent, sink.cache, layout, block_ids_of, guard, timeout_s)
+    rx = KVReceiver(GuardedSink(sink, guard) if nixl else sink, layout,
+                    default_timeout_s=reservation_timeout_s, reap_interval_s=0.05)
     rdv = DistRendezvous(host, timeout_s=timeout_s)
     local = local_endpoint(device, rdv.address)
 
     def plane():
         return DistPlane(rdv, local, host, timeout_s)
 
-    svc = KVTransferService(rx, {"gloo": plane, "nccl": plane},
+    svc = KVTransferService(rx, {"gloo": plane, "nccl": plane, **planes},
                             max_layer_bytes=layout.layer_nbytes(num_blocks))
     server = create_server()
     kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(svc, server)

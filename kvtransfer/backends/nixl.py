@@ -3,11 +3,12 @@ CUDA IPC within one), behind the same KVSender / KVReceiver interfaces as the ot
 module: the agent, the descriptors and decode's side (NixlPlane); prefill's side (staging,
 NixlKVSender) is nixl_sender.py.
 
-Not yet run against a real `nixl` install. The flow, the descriptor arithmetic and the
-failure handling are tested with a fake agent that copies memory
-(tests/kvtransfer/backends/fake_nixl.py); the calls into nixl follow its Python API
-(nixl._api.nixl_agent: register_memory, get_agent_metadata, add_remote_agent, get_xfer_descs,
-initialize_xfer, transfer, check_xfer_state, release_xfer_handle, remove_remote_agent).
+Runs on the registry's NIXL wheels (nixl-cu12 / nixl-cu13; nixl_probe.py finds the module):
+two processes over UCX in tests/kvtransfer/test_nixl_real.py and bench/kv_transfer.py. The
+failure paths are also tested with a fake agent that copies memory
+(tests/kvtransfer/backends/fake_nixl.py). Calls used (nixl._api.nixl_agent): register_memory,
+get_agent_metadata, add_remote_agent, get_xfer_descs, initialize_xfer (with a notification),
+transfer, check_xfer_state, release_xfer_handle, get_new_notifs, remove_remote_agent.
 
 Design (pull, like the NIXL connectors of vLLM and Dynamo, but our own code):
 - one agent per process; prefill registers a staging pool once, decode registers its KV cache
@@ -17,15 +18,18 @@ Design (pull, like the NIXL connectors of vLLM and Dynamo, but our own code):
 - per layer, prefill copies the layer into a staging range and sends the header with the
   range's address; decode checks the header against the open transfer's reservation, then
   READs the bytes straight into its reserved blocks (block-level descriptors built from the
-  block ids) and polls the transfer to completion; commit / ack as for every backend.
+  block ids) and polls the transfer to completion; commit / ack as for every backend;
+- each READ carries a notification naming the staged layer; prefill frees that range when it
+  arrives, so a request larger than the staging buffer streams through it.
 
 Hazards:
 - NOTE: decode READs into engine-owned blocks outside the engine thread. A transfer that fails
   while a READ is in flight must not free those blocks before the READ ends: each READ is
   counted in an InflightGuard, and decode's sink is a GuardedSink whose release waits for the
   request's READs (kvtransfer.guard).
-- NOTE: prefill frees a transfer's staging ranges once the transfer is over (ack, nack, abort).
-  A READ still in flight after a nack lands in the failed transfer's own (guarded) blocks.
+- NOTE: prefill frees a staged layer's range on its READ's notification, and the rest of a
+  transfer's ranges once it is over (ack, nack, abort). A READ still in flight after a nack
+  lands in the failed transfer's own (guarded) blocks.
 - NOTE: a READ that neither completes nor errors is given up at its deadline
   (release_xfer_handle cancels it); the pair is then broken.
 """
@@ -38,7 +42,7 @@ from typing import Awaitable, Callable, Sequence
 
 import torch
 
-from kvtransfer.backends.nixl_probe import NOT_INSTALLED, nixl_available  # noqa: F401 - re-exported
+from kvtransfer.backends.nixl_probe import NOT_INSTALLED, nixl_api, nixl_available  # noqa: F401 - re-exported
 from kvtransfer.backends.pair_service import RecvPlane
 from kvtransfer.endpoint import BackendUnavailable
 from kvtransfer.guard import InflightGuard
@@ -50,10 +54,10 @@ log = logging.getLogger("splitserve.kvtransfer.nixl")
 def make_agent(name: str):
     """A real nixl agent (UCX backend); BackendUnavailable when nixl is missing."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        api = nixl_api()
     except ImportError as e:
-        raise BackendUnavailable(NOT_INSTALLED) from e
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        raise BackendUnavailable(f"{NOT_INSTALLED} [{e}]") from e
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
 
 
 def mem_type(device: str | torch.device) -> str:
@@ -96,6 +100,17 @@ def merge_contiguous(local: list[tuple[int, int, int]], remote: list[tuple[int, 
 
 def block_bytes(layout: KVLayout) -> int:
     return layout.layer_nbytes(1) // 2
+
+
+def read_notif(transfer_id: str, remote_addr: int) -> bytes:
+    """The notification a finished READ delivers to prefill: which staged layer was read, so
+    its staging range is reused before the transfer ends (a request larger than the buffer)."""
+    return f"{transfer_id}|{remote_addr}".encode()
+
+
+def parse_read_notif(msg: bytes) -> tuple[str, int] | None:
+    tid, sep, addr = bytes(msg).decode(errors="replace").rpartition("|")
+    return (tid, int(addr)) if sep and addr.isdigit() else None
 
 
 # ---- decode side ------------------------------------------------------------------------
@@ -151,15 +166,15 @@ class NixlPlane(RecvPlane):
             local = layer_block_descs(cache.data_ptr(), cache.shape[1], bb, ids, device_id(cache.device))
             remote = layer_block_descs(int(h.remote_addr), n, bb, range(n), int(h.remote_device))
             local, remote = merge_contiguous(local, remote)
-            await self._transfer(local, remote)
+            await self._transfer(local, remote, read_notif(h.transfer_id, int(h.remote_addr)))
         finally:
             self.guard.exit(rid)
 
-    async def _transfer(self, local, remote) -> None:
+    async def _transfer(self, local, remote, notif: bytes) -> None:
         a = self.agent
         ldesc = a.get_xfer_descs(local, mem_type(self.kv_caches[0].device))
         rdesc = a.get_xfer_descs(remote, self.peer_mem)
-        handle = a.initialize_xfer("READ", ldesc, rdesc, self.peer_name, b"")
+        handle = a.initialize_xfer("READ", ldesc, rdesc, self.peer_name, notif)
         try:
             state = a.transfer(handle)
             deadline = time.monotonic() + self.timeout_s

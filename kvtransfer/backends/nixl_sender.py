@@ -1,6 +1,6 @@
 """nixl backend, prefill side: layers are copied into a registered staging buffer and
-announced on the PairSession stream with their address; decode READs them (nixl.py: the
-design, the decode side and the hazards).
+announced on the PairSession stream with their address; decode READs them, and each READ's
+notification frees its range (nixl.py: the design, the decode side and the hazards).
 """
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import asyncio
 import time
 import uuid
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
-from kvtransfer.backends.nixl import device_id, make_agent
+from kvtransfer.backends.nixl import device_id, make_agent, parse_read_notif
 from kvtransfer.backends.pair_client import PairClient, PairSendTransfer
 from kvtransfer.backends.pair_sender import PairKVSender
 from kvtransfer.endpoint import PairEndpoint
@@ -39,10 +40,14 @@ class _Staging:
         self._used[off] = n
         return off
 
-    async def alloc(self, n: int, deadline: float) -> int:
+    async def alloc(self, n: int, deadline: float, poll: Callable[[], None] = lambda: None) -> int:
+        """poll(): frees ranges whose READs have finished (their notifications arrive only
+        when asked for, so a full buffer polls them, backing off to 1 ms)."""
         if n > self.size:
             raise TransferError(f"a layer of {n} B exceeds the nixl staging buffer ({self.size} B)")
+        pause = 50e-6
         while True:
+            poll()
             off = self.try_alloc(n)
             if off is not None:
                 return off
@@ -51,9 +56,10 @@ class _Staging:
             if left <= 0:
                 raise TransferError("nixl staging buffer full (decode is not reading?)")
             try:
-                await asyncio.wait_for(self._freed.wait(), left)
+                await asyncio.wait_for(self._freed.wait(), min(left, pause))
             except (asyncio.TimeoutError, TimeoutError):
                 pass
+            pause = min(pause * 2, 1e-3)
 
     def free(self, off: int) -> None:
         if self._used.pop(off, None) is not None:
@@ -66,7 +72,6 @@ class NixlPairClient(PairClient):
     def __init__(self, channel, address, peer, local, op_timeout_s, connect_timeout_s, owner: "NixlKVSender"):
         super().__init__(channel, address, peer, local, op_timeout_s, connect_timeout_s)
         self.owner = owner
-        self._ranges: dict[str, list[int]] = defaultdict(list)  # transfer id -> staging offsets
         self._q: asyncio.Queue = asyncio.Queue()
         self._stager: asyncio.Task | None = None
 
@@ -107,8 +112,8 @@ class NixlPairClient(PairClient):
                 nbytes = tensor.numel() * tensor.element_size()
                 st = self.owner.staging
                 off = await st.alloc(nbytes, tx.record.deadline if tx.record.deadline != float("inf")
-                                     else time.monotonic() + self.op_timeout_s)
-                self._ranges[tx.record.transfer_id].append(off)
+                                     else time.monotonic() + self.op_timeout_s, self.owner.poll_reads)
+                self.owner.ranges[tx.record.transfer_id].add(off)
                 dst = st.buf[off:off + nbytes]
                 src = tensor.contiguous().view(torch.uint8).reshape(-1)
                 if dst.is_cuda:
@@ -116,6 +121,7 @@ class NixlPairClient(PairClient):
                 else:
                     dst.copy_(src)
                 if self.broken is not None or tx.record.state.terminal:
+                    self._unstage(tx.record.transfer_id, off)  # NOTE: its release may have run already
                     raise TransferError(f"transfer {tx.record.transfer_id} ended while staging")
                 h = self.header(tx, li, tensor, ks, vs)
                 h.remote_addr = st.buf.data_ptr() + off
@@ -127,8 +133,16 @@ class NixlPairClient(PairClient):
                 if not fut.done():
                     fut.set_exception(e if isinstance(e, TransferError) else TransferError(repr(e)))
 
+    def _unstage(self, tid: str, off: int) -> None:
+        held = self.owner.ranges.get(tid)
+        if held is not None:
+            held.discard(off)
+            if not held:
+                del self.owner.ranges[tid]
+        self.owner.staging.free(off)
+
     def release_transfer(self, tx: PairSendTransfer) -> None:
-        for off in self._ranges.pop(tx.record.transfer_id, []):
+        for off in self.owner.ranges.pop(tx.record.transfer_id, ()):
             self.owner.staging.free(off)
 
     def close_data_path(self, reason: str, orderly: bool) -> None:
@@ -147,6 +161,22 @@ class NixlKVSender(PairKVSender):
         buf = torch.empty(staging_bytes, dtype=torch.uint8, device=local.device)
         self._reg = self.agent.register_memory([buf])  # NOTE: once; the pool lives as long as we do
         self.staging = _Staging(buf)
+        self.ranges: dict[str, set[int]] = defaultdict(set)  # transfer id -> its staged offsets
+
+    def poll_reads(self) -> None:
+        """Free the staging ranges whose READs decode reports done (nixl notifications). A
+        notification for a transfer already released, or a range not (or no longer) its own,
+        is ignored: that range was freed, and may belong to another transfer now."""
+        base = self.staging.buf.data_ptr()
+        for msgs in self.agent.get_new_notifs().values():
+            for m in msgs:
+                got = parse_read_notif(m)
+                if got is None:
+                    continue
+                held = self.ranges.get(got[0])
+                if held is not None and (got[1] - base) in held:
+                    held.discard(got[1] - base)
+                    self.staging.free(got[1] - base)
 
     def make_pair(self, channel, address, peer) -> NixlPairClient:
         return NixlPairClient(channel, address, peer, self.local, self.op_timeout_s,

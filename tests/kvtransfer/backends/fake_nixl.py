@@ -19,6 +19,7 @@ class FakeAgent:
         self.reads: list[int] = []       # descriptors per READ
         self.released = 0
         self.hold = hold                 # READs stay "PROC" until this is set
+        self.notifs: dict[str, list[bytes]] = {}  # from peers' finished READs, until fetched
         FakeAgent.agents[name] = self
 
     def get_agent_metadata(self) -> bytes:
@@ -44,7 +45,7 @@ class FakeAgent:
     def initialize_xfer(self, op, local, remote, peer, notif):
         assert op == "READ" and peer in self.peers, (op, peer)
         assert len(local) == len(remote)
-        return {"local": local, "remote": remote, "peer": peer, "done": False}
+        return {"local": local, "remote": remote, "peer": peer, "done": False, "notif": notif}
 
     def transfer(self, h):
         return "PROC"
@@ -60,7 +61,13 @@ class FakeAgent:
                 ctypes.memmove(la, ra, ln)
             h["done"] = True
             self.reads.append(len(h["local"]))
+            if h["notif"]:
+                remote.notifs.setdefault(self.name, []).append(bytes(h["notif"]))
         return "DONE"
+
+    def get_new_notifs(self):
+        out, self.notifs = self.notifs, {}
+        return out
 
     def release_xfer_handle(self, h):
         self.released += 1

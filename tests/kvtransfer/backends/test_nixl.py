@@ -2,7 +2,8 @@
 pull flow (handshake, staging, block-level READs into scattered reserved blocks, commit) over a
 real PairSession with a fake agent that copies memory and checks every address was
 registered, the in-flight-READ guard on release, and the clear error when nixl is missing.
-A real-nixl smoke test runs only where the package imports."""
+A real-nixl smoke test runs only where the package imports (two processes:
+tests/kvtransfer/test_nixl_real.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,7 @@ from kvtransfer.endpoint import BackendUnavailable, PairEndpoint
 from kvtransfer.guard import GuardedSink, InflightGuard
 from kvtransfer.loopback import MemorySink
 from protos import kvtransfer_pb2_grpc
-from tests.harness import ROOT
+from tests.harness import ROOT, child_env
 from tests.kvtransfer.backends.fake_nixl import FakeAgent
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,7 +68,7 @@ def test_merge_contiguous_only_where_both_sides_are():
 
 
 class _Rig:
-    def __init__(self, layout, hold=None):
+    def __init__(self, layout, hold=None, staging_bytes=64 << 10):
         self.layout = layout
         self.sink = MemorySink(layout, 24)
         self.guard = InflightGuard()
@@ -82,7 +83,7 @@ class _Rig:
         plane = lambda: NixlPlane(self.dec_agent, self.sink.cache, layout, block_ids_of, self.guard, 5)  # noqa: E731
         self.svc = KVTransferService(self.rx, {"nixl": plane})
         self.pre_agent = FakeAgent("prefill")
-        self.sender = NixlKVSender(PairEndpoint("cpu"), staging_bytes=64 << 10, agent=self.pre_agent,
+        self.sender = NixlKVSender(PairEndpoint("cpu"), staging_bytes=staging_bytes, agent=self.pre_agent,
                                    op_timeout_s=5, connect_timeout_s=5)
 
     async def start(self):
@@ -119,6 +120,24 @@ async def test_pull_flow_lands_byte_exact_in_reserved_blocks(dtype):
             assert rig.sink.scales["r1"] == (pytest.approx(kv.k_scales), pytest.approx(kv.v_scales))
         # staging ranges were freed with the ack: a transfer as large as the pool fits again
         assert not rig.sender.staging._used
+    finally:
+        await rig.stop()
+
+
+async def test_a_request_larger_than_staging_streams_through_it():
+    """Each READ's notification frees its layer's range: 3 layers of 20 KiB through 32 KiB."""
+    layout = _layout()
+    rig = await _Rig(layout, staging_bytes=32 << 10).start()
+    try:
+        kv = _blocks(layout, 20, seed=4)
+        assert kv.nbytes() > 32 << 10
+        rig.sink.block_ids["r1"] = list(range(20))
+        rig.rx.expect("t1", "r1", 20, kv.num_tokens)
+        await send_blocks(rig.sender, rig.address, "t1", "r1", kv, layout, 10, peer=PairEndpoint("cpu"))
+        assert (await rig.rx.wait("t1", 5)).state is TransferState.DONE
+        for i, t in enumerate(kv.layers):
+            assert rig.sink.read("r1", i, 20) == t.view(torch.uint8).numpy().tobytes(), f"layer {i}"
+        assert not rig.sender.staging._used and not rig.sender.ranges
     finally:
         await rig.stop()
 
@@ -169,19 +188,33 @@ async def test_unregistered_memory_fails_the_transfer():
         await rig.stop()
 
 
-@pytest.mark.skipif(nixl_available(), reason="nixl is installed here")
-def test_missing_nixl_is_a_clear_error():
-    with pytest.raises(BackendUnavailable, match="nixl is not installed"):
-        make_agent("x")
-    r = subprocess.run([sys.executable, "-m", "prefill_svc", "--kv-transfer-backend", "nixl",
+# NOTE: None in sys.modules makes an import fail: the services run as if no NIXL wheel were installed
+_NO_NIXL = ("import runpy, sys; sys.modules.update(dict.fromkeys(['nixl', 'nixl._api', 'nixl_cu12', "
+            "'nixl_cu12._api', 'nixl_cu13', 'nixl_cu13._api'])); sys.argv = sys.argv[1:]; "
+            "runpy.run_module(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("service", ["prefill_svc", "decode_svc"])
+def test_missing_nixl_is_a_clear_error(service):
+    r = subprocess.run([sys.executable, "-c", _NO_NIXL, service, "--kv-transfer-backend", "nixl",
                         "--model", "dummy:tiny-llama", "--device", "cpu"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "nixl is not installed" in r.stderr, r.stderr
+                       cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**child_env(), "SPLITSERVE_INTERNAL_SECRET": "0" * 64})  # other checks pass
+    assert r.returncode == 2 and "nixl is not installed (pip install nixl-cu12" in r.stderr, r.stderr
+
+
+def test_make_agent_without_nixl_names_the_package(monkeypatch):
+    for m in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api"):
+        monkeypatch.setitem(sys.modules, m, None)
+    assert not nixl_available()
+    with pytest.raises(BackendUnavailable, match=r"nixl is not installed \(pip install nixl-cu12"):
+        make_agent("x")
 
 
 def test_real_nixl_agents_read_between_tensors():
     """Only where nixl imports: two real agents in one process, one READ (UCX loopback)."""
-    pytest.importorskip("nixl")
+    if not nixl_available():
+        pytest.skip("no NIXL wheel imports here")
     a, b = make_agent("splitserve-test-a"), make_agent("splitserve-test-b")
     src = torch.arange(4096, dtype=torch.uint8)
     dst = torch.zeros(4096, dtype=torch.uint8)
