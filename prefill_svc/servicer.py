@@ -133,8 +133,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     set_attrs(ksp, {"splitserve.kv.backend": backend, "splitserve.kv.bytes": nbytes})
                 t_sent = time.perf_counter()
                 ok = True
-            except BaseException:
-                self.metrics.requests.labels(outcome="error").inc()
+            except BaseException as e:
+                # a cancelled RPC (its caller went away or gave up) is an abort, not an error
+                cancelled = isinstance(e, asyncio.CancelledError)
+                self.metrics.requests.labels(outcome="abort" if cancelled else "error").inc()
                 raise
             finally:
                 self.in_flight -= 1

@@ -2,7 +2,9 @@
 (the gateway does: it cancels the call once it has the finish reason) finished, it was not
 aborted. A handler generator closed at its last `yield` never runs the code after it, so the
 outcome must be known before that yield. Driven on DecodeServicer._stream directly: the race
-with a real cancel depends on load (seen as 14 of 67 finished streams counted abort)."""
+with a real cancel depends on load (seen as 14 of 67 finished streams counted abort). Prefill
+counts a cancelled RPC as abort and a failed transfer as error; the engine reports preemptions
+and each request's queue / prefill time."""
 from __future__ import annotations
 
 import asyncio
@@ -98,3 +100,49 @@ def test_engine_reports_preemptions_and_first_token_timings():
     m = ServiceMetrics("decode")
     m.update_from_engine_stats(eng.stats())
     assert _count(m, "splitserve_num_preemptions_total") == eng.scheduler.num_preemptions
+
+
+async def test_prefill_counts_a_cancelled_rpc_as_abort_and_a_failed_transfer_as_error():
+    from engine.async_engine import AsyncEngine
+    from kvtransfer.endpoint import PairEndpoint
+    from prefill_svc.kv_push import KVPusher
+    from prefill_svc.servicer import PrefillServicer
+    from protos import common_pb2, prefill_pb2
+    from tests.services.test_prefill_streaming import (Aborted, FakeContext, RecordingSender,
+                                                       _engine, _layout, _ticket)
+
+    class _Stuck(RecordingSender):  # decode never acks: the transfer hangs until cancelled
+        async def open(self, *a, **k):
+            tx = await super().open(*a, **k)
+            tx.finish = asyncio.Event().wait
+            return tx
+
+    eng = _engine()
+    ae = AsyncEngine(engine=eng)
+    await ae.start()
+    try:
+        layout, m = _layout(eng), ServiceMetrics("prefill")
+        stuck = _Stuck()
+        svc = PrefillServicer(ae, KVPusher({"grpc": stuck}, "grpc", PairEndpoint("cpu"), layout, m), m)
+
+        def req(rid):
+            return prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=list(range(3, 30)),
+                                              ticket=_ticket(layout, 27),
+                                              params=common_pb2.RequestParams(max_tokens=4))
+
+        task = asyncio.get_running_loop().create_task(svc.Prefill(req("r1"), FakeContext()))
+        await asyncio.get_running_loop().run_in_executor(None, stuck.first_layer.wait, 10)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert _count(m, "splitserve_requests_total", outcome="abort") == 1
+        assert _count(m, "splitserve_requests_total", outcome="error") == 0
+        failing = RecordingSender()
+        failing.fail_finish = True
+        svc.pusher = KVPusher({"grpc": failing}, "grpc", PairEndpoint("cpu"), layout, m)
+        with pytest.raises(Aborted):
+            await svc.Prefill(req("r2"), FakeContext())
+        assert _count(m, "splitserve_requests_total", outcome="error") == 1
+    finally:
+        await ae.stop()
