@@ -326,7 +326,7 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
     off = not a.metrics_ports or a.metrics_ports.strip().lower() == "off"
     mp = [None, None] if off else a.metrics_ports.split(",")
     if len(mp) != 2 or not all(x is None or x.strip().isdigit() for x in mp):
-        print(f"splitserve up: --metrics-ports takes two ports, prefill,decode (e.g. 9101,9102); "
+        print(f"splitserve up: --metrics-ports takes two ports, prefill,decode (e.g. 9101,9102), or off; "
               f"got {a.metrics_ports!r}", file=sys.stderr)
         return 2
     try:
