@@ -56,8 +56,12 @@ def _env(name: str, default: str = "") -> str:
     return os.environ.get(name, default).strip()
 
 
-def _list_env(name: str) -> list[str]:
-    return [e for e in (x.strip().lower() for x in _env(name, "none").split(",")) if e and e != "none"]
+def _setup_metrics(service_name: str):
+    global _meter_provider
+    from common.trace_export import meter_provider_from_env
+
+    _meter_provider = meter_provider_from_env(_env("OTEL_SERVICE_NAME") or service_name)
+    return _meter_provider
 
 
 def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | None = None):
@@ -70,7 +74,9 @@ def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | N
         return _provider
     if _env("OTEL_SDK_DISABLED").lower() == "true":
         return None
-    exporters = _list_env("OTEL_TRACES_EXPORTER")
+    from common.trace_export import list_env, otlp_span_exporter
+
+    exporters = list_env("OTEL_TRACES_EXPORTER")
     trace_file = trace_file or _env("SPLITSERVE_TRACE_FILE") or None
     meter_provider = _setup_metrics(service_name)
     if not exporters and not trace_file and meter_provider is None:
@@ -83,7 +89,7 @@ def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | N
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
     for e in exporters:
         if e == "otlp":
-            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
+            provider.add_span_processor(BatchSpanProcessor(otlp_span_exporter()))
         elif e == "console":
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         else:
@@ -101,56 +107,8 @@ def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | N
 
     instrument_grpc(provider)
     log.info("tracing: service=%s exporters=%s%s metrics=%s", name, exporters or ["none"],
-             f" file={trace_file}" if trace_file else "", _list_env("OTEL_METRICS_EXPORTER") or "none")
+             f" file={trace_file}" if trace_file else "", list_env("OTEL_METRICS_EXPORTER") or "none")
     return provider
-
-
-def _setup_metrics(service_name: str):
-    """A MeterProvider exporting per OTEL_METRICS_EXPORTER, or None when that is none/unset."""
-    global _meter_provider
-    exporters = _list_env("OTEL_METRICS_EXPORTER")
-    if not exporters:
-        return None
-    from opentelemetry import metrics
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-
-    readers = []
-    for e in exporters:
-        if e == "otlp":
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-            endpoint = _env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
-            exp = OTLPMetricExporter(endpoint=endpoint or None,
-                                     insecure=endpoint.startswith("http://") if endpoint else True)
-        elif e == "console":
-            exp = ConsoleMetricExporter()
-        else:
-            raise ValueError(f"OTEL_METRICS_EXPORTER={e!r} is not supported; use otlp, console or none")
-        readers.append(PeriodicExportingMetricReader(exp))
-    name = _env("OTEL_SERVICE_NAME") or service_name
-    _meter_provider = MeterProvider(metric_readers=readers, resource=Resource.create({SERVICE_NAME: name}))
-    metrics.set_meter_provider(_meter_provider)
-    return _meter_provider
-
-
-def _otlp_exporter():
-    proto = (_env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
-             or "grpc").lower()
-    if proto == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        endpoint = _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
-        # NOTE: an http:// endpoint means plaintext gRPC (the usual local collector / Jaeger setup)
-        insecure = endpoint.startswith("http://") if endpoint else True
-        return OTLPSpanExporter(endpoint=endpoint or None, insecure=insecure)
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPExp
-    except ImportError as e:  # pragma: no cover - package not installed here
-        raise ValueError("OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf needs "
-                         "opentelemetry-exporter-otlp-proto-http; use grpc") from e
-    return HTTPExp()
 
 
 def _set_provider(provider) -> None:
