@@ -78,13 +78,13 @@ async def test_rest_needs_a_key_over_tls(front):
             assert r.status_code == 200, r.text
     with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is not served
         httpx.get(s.http_url + "/health", timeout=5)
-    oc = openai.AsyncOpenAI(base_url=_url(s) + "/v1", api_key=KEYS[0],
-                            http_client=httpx.AsyncClient(verify=_trust(cert)))
-    out = await oc.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
-    assert out.usage.completion_tokens == 3
-    with pytest.raises(openai.AuthenticationError):
-        await oc.with_options(api_key="wrong-key-0000").completions.create(model=MODEL, prompt="hi",
-                                                                           max_tokens=3)
+    async with httpx.AsyncClient(verify=_trust(cert)) as http:
+        oc = openai.AsyncOpenAI(base_url=_url(s) + "/v1", api_key=KEYS[0], http_client=http)
+        out = await oc.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+        with pytest.raises(openai.AuthenticationError):
+            await oc.with_options(api_key="wrong-key-0000").completions.create(
+                model=MODEL, prompt="hi", max_tokens=3)
 
 
 async def test_grpc_needs_a_key_over_tls(front):
