@@ -8,6 +8,7 @@
     splitserve tokenizer export [DIR]        the served model's tokenizer as a HF tokenizer dir
     splitserve trace serve|show|top          request traces: receiver, waterfall, slowest
     splitserve profile --service decode      torch.profiler trace of a running service's steps
+    splitserve plan --rate R --ttft-ms X --tpot-ms Y   prefill / decode replicas a load needs
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    from splitserve_cli import client, profile_cmd, tokenizer_cmd, trace_cmd, up
+    from splitserve_cli import client, plan, profile_cmd, tokenizer_cmd, trace_cmd, up
 
     up.add_args(sub.add_parser("up", help="run prefill, decode and gateway together "
                                "(unknown flags are forwarded to prefill and decode)"))
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "slowest requests"))
     profile_cmd.add_args(sub.add_parser("profile", help="record a torch.profiler trace of the next "
                                         "N engine steps of a running service"))
+    plan.add_args(sub.add_parser("plan", help="prefill / decode replicas a load needs for its SLOs "
+                                 "(queueing model on measured step times)"))
     a, extra = p.parse_known_args(argv)
     if a.cmd == "up":
         return up.run_up(a, extra)
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "tokenizer":
         return tokenizer_cmd.run(a)
+    if a.cmd == "plan":
+        return plan.run(a)
     if a.cmd == "trace":
         return trace_cmd.run(a)
     if a.cmd == "profile":

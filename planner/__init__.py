@@ -1,0 +1,10 @@
+"""Cluster sizing for disaggregated serving: how many prefill and decode replicas a load needs
+to meet its TTFT / TPOT SLOs, from cost models fitted to this project's measurements.
+
+    calibration.py   prefill ms vs prompt tokens, decode step ms vs batch and context, KV
+                     handoff bytes and rate: fitted from bench/results JSON or given points
+    model.py         the queueing model (prefill: M/G/c; decode: batch capacity under the TPOT
+                     bound) and the search for the smallest xPyD shape
+
+`splitserve plan` (splitserve_cli/plan.py) is the command line.
+"""

@@ -1,0 +1,126 @@
+"""Cost models the planner runs on, fitted by least squares to measured points:
+
+    prefill_ms(n)        = p0 + p1 * n + p2 * n^2      (n prompt tokens; n^2: attention)
+    step_ms(batch, ctx)  = d0 + d1 * batch + d2 * batch * ctx   (ctx: mean context; the KV read)
+    handoff_ms(n)        = n * kv_bytes_per_token / kv_gbps (0 when kv_gbps is 0: colocated pool)
+
+Points come from a bench/results JSON (engine_gpu: its 'prefill N' and 'decode b=B ctx=C' rows
+for one model shape) or from flags ('N:ms' and 'BxC:ms')."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PREFILL_ROW = re.compile(r"^prefill (\d+)$")
+DECODE_ROW = re.compile(r"^decode b=(\d+) ctx=(\d+)$")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    prefill: tuple[float, float, float]   # p0, p1, p2 (ms)
+    decode: tuple[float, float, float]    # d0, d1, d2 (ms)
+    kv_bytes_per_token: int = 0
+    kv_gbps: float = 0.0
+    source: str = "flags"
+    points: dict = field(default_factory=dict, compare=False)
+
+    def prefill_ms(self, n: float) -> float:
+        p0, p1, p2 = self.prefill
+        return p0 + p1 * n + p2 * n * n
+
+    def step_ms(self, batch: float, ctx: float) -> float:
+        d0, d1, d2 = self.decode
+        return d0 + d1 * batch + d2 * batch * ctx
+
+    def handoff_ms(self, n: float) -> float:
+        return n * self.kv_bytes_per_token / (self.kv_gbps * 1e6) if self.kv_gbps > 0 else 0.0
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """Least squares with every coefficient >= 0 (costs never shrink as their drivers grow):
+    drop the most negative term and refit until none is negative."""
+    keep = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            out = [0.0] * x.shape[1]
+            for i, c in zip(keep, coef):
+                out[i] = max(float(c), 0.0)
+            return tuple(out)
+        keep.pop(int(np.argmin(coef)))
+
+
+def fit_prefill(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    if len(points) < 2:
+        raise ValueError(f"prefill calibration needs >= 2 (tokens, ms) points, got {len(points)}")
+    n = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    return _nonneg_lstsq(np.stack([np.ones_like(n), n, n * n], 1), y)
+
+
+def fit_decode(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    if len(points) < 2:
+        raise ValueError(f"decode calibration needs >= 2 (batch, ctx, ms) points, got {len(points)}")
+    b = np.array([p[0] for p in points], dtype=float)
+    c = np.array([p[1] for p in points], dtype=float)
+    y = np.array([p[2] for p in points], dtype=float)
+    return _nonneg_lstsq(np.stack([np.ones_like(b), b, b * c], 1), y)
+
+
+def kv_bytes_per_token(shape: str, kv_dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token of a named model shape (engine/loader/dummy.py)."""
+    from engine.loader.dummy import SHAPES
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}: one of {', '.join(sorted(SHAPES))}")
+    a = SHAPES[shape]
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * kv_dtype_bytes
+
+
+def points_from_bench(path: str | Path, shape: str) -> tuple[list, list]:
+    """(prefill points, decode points) of one model shape from an engine_gpu result."""
+    d = json.loads(Path(path).read_text())
+    if d.get("benchmark") != "engine_gpu":
+        raise ValueError(f"{path}: a {d.get('benchmark')!r} result; calibration reads engine_gpu results")
+    pre, dec = [], []
+    for r in d["results"]["rows"]:
+        if r.get("shape") != shape:
+            continue
+        ms = r.get("graph_ms") if r.get("graph_ms") is not None else r.get("eager_ms")
+        if ms is None:
+            continue
+        if m := PREFILL_ROW.match(r["case"]):
+            pre.append((int(m.group(1)), float(ms)))
+        elif m := DECODE_ROW.match(r["case"]):
+            dec.append((int(m.group(1)), int(m.group(2)), float(ms)))
+    if not pre or not dec:
+        shapes = sorted({r.get("shape") for r in d["results"]["rows"]} - {None})
+        raise ValueError(f"{path}: no prefill / decode rows for shape {shape!r} (it has {', '.join(shapes)})")
+    return pre, dec
+
+
+def parse_points(spec: str, decode: bool) -> list[tuple]:
+    """'128:6.0,512:14' (prefill tokens:ms) or '1x1024:4.1,64x1024:7.4' (decode batch x ctx:ms)."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            x, ms = item.split(":")
+            if decode:
+                b, c = x.lower().split("x")
+                out.append((int(b), int(c), float(ms)))
+            else:
+                out.append((int(x), float(ms)))
+        except ValueError:
+            want = "BATCHxCTX:MS" if decode else "TOKENS:MS"
+            raise ValueError(f"bad point {item!r}: write {want}, comma-separated") from None
+    return out
+
+
+def calibrate(prefill_points: list, decode_points: list, kv_bytes: int = 0, kv_gbps: float = 0.0,
+              source: str = "flags") -> Calibration:
+    return Calibration(fit_prefill(prefill_points), fit_decode(decode_points), kv_bytes, kv_gbps,
+                       source, {"prefill": prefill_points, "decode": decode_points})

@@ -1,0 +1,135 @@
+"""`splitserve plan`: how many prefill and decode replicas a load needs to meet its SLOs.
+
+    splitserve plan --rate 20 --input-len 2048 --output-len 256 --ttft-ms 500 --tpot-ms 20 \\
+                    --model-shape llama-3.1-8b [--calibration bench/results/engine_gpu-*.json]
+
+Calibration: the newest bench/results/engine_gpu-*.json of this checkout (prefill and decode
+step times of --model-shape on that GPU), or --prefill-points / --decode-points; KV handoff
+time from the newest kv_transfer-*.json row of --kv-backend (none: not counted). The model
+and its assumptions: planner/model.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=float, required=True, help="arrival rate, requests/s (Poisson)")
+    p.add_argument("--input-len", type=float, default=512, help="mean prompt tokens")
+    p.add_argument("--output-len", type=float, default=128, help="mean generated tokens")
+    p.add_argument("--input-cv", type=float, default=0.0,
+                   help="prompt length spread, std/mean of a lognormal (0: fixed)")
+    p.add_argument("--output-cv", type=float, default=0.0, help="output length spread (std/mean)")
+    p.add_argument("--ttft-ms", type=float, required=True, help="TTFT SLO at --quantile")
+    p.add_argument("--tpot-ms", type=float, required=True, help="TPOT SLO at --quantile")
+    p.add_argument("--quantile", type=float, default=0.9, help="SLO percentile, e.g. 0.9 or 0.99")
+    p.add_argument("--model-shape", default="llama-3.1-8b",
+                   help="model shape: its rows in the calibration file and its KV bytes per token")
+    p.add_argument("--calibration", default=None,
+                   help="engine_gpu result JSON (default: the newest in bench/results)")
+    p.add_argument("--prefill-points", default=None, metavar="TOKENS:MS,...",
+                   help="prefill times instead of the file's, e.g. 128:6,512:14,2048:55")
+    p.add_argument("--decode-points", default=None, metavar="BxCTX:MS,...",
+                   help="decode step times instead of the file's, e.g. 1x1024:4.1,64x1024:7.4")
+    p.add_argument("--kv-backend", default=None,
+                   help="count the KV handoff at this backend's measured GB/s (newest kv_transfer result)")
+    p.add_argument("--kv-gbps", type=float, default=None, help="KV handoff rate, GB/s (wins over --kv-backend)")
+    p.add_argument("--max-batch", type=int, default=256, help="most running requests per decode replica")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _newest(pattern: str) -> Path | None:
+    files = sorted(RESULTS.glob(pattern))
+    return files[-1] if files else None
+
+
+def _kv_gbps(backend: str) -> tuple[float, str]:
+    f = _newest("kv_transfer-*.json")
+    rows = [r for r in json.loads(f.read_text())["results"]["rows"] if r["backend"] == backend] if f else []
+    if not rows:
+        raise ValueError(f"--kv-backend {backend}: no kv_transfer result in {RESULTS} has a {backend} row "
+                         "(run python -m bench.kv_transfer, or give --kv-gbps)")
+    r = max(rows, key=lambda r: r["tokens"])
+    return float(r["GB/s"]), f"{f.name} ({backend}, {r['tokens']} tokens)"
+
+
+def calibration_from_args(a: argparse.Namespace):
+    from planner.calibration import calibrate, kv_bytes_per_token, parse_points, points_from_bench
+
+    pre = parse_points(a.prefill_points, False) if a.prefill_points else None
+    dec = parse_points(a.decode_points, True) if a.decode_points else None
+    source = "flags"
+    if pre is None or dec is None:
+        path = Path(a.calibration) if a.calibration else _newest("engine_gpu-*.json")
+        if path is None:
+            raise ValueError(f"no engine_gpu result in {RESULTS}: give --calibration or "
+                             "--prefill-points and --decode-points")
+        fpre, fdec = points_from_bench(path, a.model_shape)
+        pre, dec = pre or fpre, dec or fdec
+        source = f"{path.name} ({a.model_shape})"
+    gbps, kv_src = 0.0, "not counted"
+    if a.kv_gbps is not None:
+        gbps, kv_src = a.kv_gbps, f"{a.kv_gbps:g} GB/s (flag)"
+    elif a.kv_backend:
+        gbps, kv_src = _kv_gbps(a.kv_backend)
+    cal = calibrate(pre, dec, kv_bytes_per_token(a.model_shape), gbps, source)
+    return cal, kv_src
+
+
+def _fmt(x: float) -> str:
+    return "inf" if x == float("inf") else f"{x:.1f}"
+
+
+def render(plan, w, cal, kv_src: str) -> str:
+    q = f"p{w.quantile * 100:g}"
+    p0, p1, p2 = cal.prefill
+    d0, d1, d2 = cal.decode
+    out = [f"calibration: {cal.source}",
+           f"  prefill_ms(n) = {p0:.3g} + {p1:.3g} n + {p2:.3g} n^2;  "
+           f"step_ms(B, ctx) = {d0:.3g} + {d1:.3g} B + {d2:.3g} B ctx;  KV handoff: {kv_src}",
+           f"load: {w.rate:g} req/s, prompts {w.input_len:g} tokens (cv {w.input_cv:g}), "
+           f"outputs {w.output_len:g} (cv {w.output_cv:g}); SLO {q} TTFT {w.ttft_ms:g} ms, "
+           f"TPOT {w.tpot_ms:g} ms", "",
+           f"prefill   util   P(wait)  wait {q} ms  TTFT mean ms  TTFT {q} ms  meets"]
+    for p in plan.prefill_table:
+        ok = "yes" if p.stable and p.ttft_ms_q <= w.ttft_ms else "no"
+        out.append(f"{p.replicas:>7}  {min(p.utilization, 9.99):5.2f}  {p.wait_prob:7.3f}  "
+                   f"{_fmt(p.wait_ms_q):>11}  {_fmt(p.ttft_ms_mean):>12}  {_fmt(p.ttft_ms_q):>11}  {ok}")
+    out += ["", f"decode   batch mean  batch {q}  TPOT mean ms  TPOT {q} ms  meets"]
+    for d in plan.decode_table:
+        ok = "yes" if d.stable and d.tpot_ms_q <= w.tpot_ms else "no"
+        out.append(f"{d.replicas:>6}  {_fmt(d.batch_mean):>10}  {_fmt(d.batch_q):>9}  "
+                   f"{_fmt(d.tpot_ms_mean):>12}  {_fmt(d.tpot_ms_q):>11}  {ok}")
+    pp, dd = plan.prefill, plan.decode
+    out += ["", f"recommended: {plan.shape} ({pp.replicas + dd.replicas} GPUs): predicted {q} TTFT "
+            f"{pp.ttft_ms_q:.1f} ms, {q} TPOT {dd.tpot_ms_q:.2f} ms, {dd.tokens_per_s:.0f} output tokens/s"]
+    return "\n".join(out)
+
+
+def run(a: argparse.Namespace) -> int:
+    from planner.model import Workload, plan
+
+    try:
+        w = Workload(a.rate, a.input_len, a.output_len, a.input_cv, a.output_cv, a.ttft_ms,
+                     a.tpot_ms, a.quantile)
+        cal, kv_src = calibration_from_args(a)
+        result = plan(w, cal, max_batch=a.max_batch)
+    except (ValueError, OSError) as e:
+        print(f"splitserve plan: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps({"shape": result.shape, "workload": asdict(w),
+                          "calibration": {"source": cal.source, "prefill": cal.prefill, "decode": cal.decode,
+                                          "kv_bytes_per_token": cal.kv_bytes_per_token, "kv_gbps": cal.kv_gbps},
+                          "prefill": asdict(result.prefill), "decode": asdict(result.decode),
+                          "prefill_table": [asdict(p) for p in result.prefill_table],
+                          "decode_table": [asdict(d) for d in result.decode_table]}, default=str))
+    else:
+        print(render(result, w, cal, kv_src))
+    return 0
