@@ -3,6 +3,7 @@
     params_from_pb(common_pb2.RequestParams) -> engine SamplingParams (raises InvalidRequestError)
     params_to_pb(SamplingParams) -> common_pb2.RequestParams (the gateway's too)
     sampling_kwargs(generate_pb2.SamplingParams) -> SamplingParams keywords of its set fields
+    guided_from_pb / guided_to_pb: GuidedDecoding <-> engine GuidedJSON (response_format)
     logprob_to_pb((logprob, [(id, lp), ...]) | None, token_id) -> generate_pb2.TokenLogprob
     load_to_pb(engine stats dict, **extra) -> common_pb2.LoadStats
     FINISH_REASONS: engine finish_reason str -> generate_pb2.FinishReason
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import GuidedJSON, InvalidRequestError, SamplingParams
 from protos import common_pb2, generate_pb2
 
 # the optional fields of SamplingParams messages (unset: the engine's default)
@@ -38,7 +39,24 @@ def sampling_kwargs(sp: generate_pb2.SamplingParams | None) -> dict:
                 raise InvalidRequestError(f"sampling.{f} must be a finite number, got {v}")
             # NOTE: proto floats are float32; round so 0.7 stays 0.7, not 0.69999999
             kw[f] = round(v, 6) if isinstance(v, float) else int(v)
+    if sp is not None and sp.HasField("guided"):
+        kw["guided"] = guided_from_pb(sp.guided)
     return kw
+
+
+def guided_from_pb(g: generate_pb2.GuidedDecoding) -> GuidedJSON:
+    kind = g.WhichOneof("kind")
+    if kind == "json_schema":
+        return GuidedJSON(schema=g.json_schema)
+    if kind == "json_object" and g.json_object:
+        return GuidedJSON()
+    raise InvalidRequestError("sampling.guided must set json_object (true) or json_schema")
+
+
+def guided_to_pb(g: GuidedJSON) -> generate_pb2.GuidedDecoding:
+    if g.schema is None:
+        return generate_pb2.GuidedDecoding(json_object=True)
+    return generate_pb2.GuidedDecoding(json_schema=g.schema)
 
 
 def params_from_pb(p: common_pb2.RequestParams) -> SamplingParams:
@@ -57,6 +75,8 @@ def params_to_pb(sp: SamplingParams) -> common_pb2.RequestParams:
         v = getattr(sp, f)
         if v is not None:
             setattr(s, f, v)
+    if sp.guided is not None:
+        s.guided.CopyFrom(guided_to_pb(sp.guided))
     return common_pb2.RequestParams(
         sampling=s, max_tokens=sp.max_tokens, stop=list(sp.stop),
         stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,

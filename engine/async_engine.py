@@ -109,6 +109,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (loop, q)
         try:
+            await self.precompile(params)
             await self.call(lambda e: e.add_request(rid, prompt_token_ids, params, prefill_only))
         except BaseException:
             self._streams.pop(rid, None)
@@ -182,8 +183,15 @@ class AsyncEngine:
 
         await self.call(lambda e: e.stream_kv_layers(request_id, on_layer))
 
-    def stream_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def precompile(self, params: SamplingParams) -> None:
+        """Compile a response_format's grammar on a worker thread (seconds the first time), so
+        the engine thread's add finds it cached instead of stalling every running request."""
+        if params.guided is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.guided)
+
+    async def stream_prefilled(self, request_id: str, prompt_token_ids: list[int],
+                               first_token_id: int, params: SamplingParams
+                               ) -> AsyncIterator[RequestOutput]:
         """Decode side: join a request on its reserved blocks (add_prefilled) and stream its
         outputs, as `stream`. If joining fails the blocks are freed (the caller owns them)."""
         def start(e):
@@ -193,7 +201,13 @@ class AsyncEngine:
                 e.release(request_id)
                 raise
 
-        return self.stream(request_id, start)
+        try:
+            await self.precompile(params)
+        except BaseException:
+            await self.release(request_id)
+            raise
+        async for out in self.stream(request_id, start):
+            yield out
 
     def kv_cache_tensors(self) -> list:
         """Engine.kv_cache_tensors (fixed after start, so readable from the event loop)."""

@@ -82,6 +82,9 @@ class DisaggregationMixin:
             raise InvalidRequestError(f"request {request_id!r} has no reserved KV blocks")
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(int(first_token_id))
+        if req.grammar is not None and not req.grammar.accept(first_token_id):
+            raise InvalidRequestError(f"first_token_id {first_token_id} is not allowed by the "
+                                      "request's response_format")
         req.first_token_time = time.monotonic()
         reason = self._first_token_finish(req)
         if reason is not None:
@@ -94,6 +97,8 @@ class DisaggregationMixin:
     def _first_token_finish(self, req: Request) -> str | None:
         p = req.params
         tok = req.output_token_ids[-1]
+        if req.grammar is not None and req.grammar.terminated:
+            return "stop"
         if p.min_tokens <= 1 and ((not p.ignore_eos and tok in req.eos_token_ids)
                                   or tok in p.stop_token_ids):
             return "stop"

@@ -26,6 +26,7 @@ from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner, StepInput, resolve_dtype
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import GrammarBackend
 
 log = logging.getLogger("splitserve.engine")
 
@@ -69,6 +70,7 @@ class Engine(DisaggregationMixin):
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
+        self.grammars = GrammarBackend(self.tokenizer, a.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_generated = 0
@@ -105,6 +107,8 @@ class Engine(DisaggregationMixin):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        if params.guided is not None:
+            req.grammar = self.grammars.state(params.guided)
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

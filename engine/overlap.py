@@ -110,8 +110,9 @@ class TokenReadback:
 def blind_admissible(req: Request) -> bool:
     """Whether a request may be in a step run overlapped (its tokens and logprobs read back
     later, or launched before the previous step's tokens are known): not one whose KV is pushed
-    layer by layer during the step (prefill-only requests of a disaggregated prefill service)."""
-    return not req.prefill_only
+    layer by layer during the step (prefill-only requests of a disaggregated prefill service),
+    nor a constrained one (its token mask needs every token before it on the host)."""
+    return not req.prefill_only and req.grammar is None
 
 
 def can_overlap(sched: SchedulerOutput) -> bool:

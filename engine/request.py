@@ -47,6 +47,9 @@ class Request:
     # Logprobs per output token: (chosen_logprob, [(token_id, logprob), ...]).
     output_logprobs: list = field(default_factory=list)
     first_token_time: float | None = None
+    # constrained decoding (params.guided): engine.structured.GrammarState, advanced by each
+    # output token (Scheduler.update; Engine.add_prefilled for the token prefill sampled)
+    grammar: object | None = None
     scheduled_time: float | None = None  # first scheduled (monotonic): ends its queue time
 
     @property

@@ -1,11 +1,32 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
 class InvalidRequestError(ValueError):
     """A request's parameters are invalid; the message names the problem (maps to INVALID_ARGUMENT / 400)."""
+
+
+@dataclass(frozen=True)
+class GuidedJSON:
+    """Constrained decoding to JSON (engine/structured.py): schema None -> any JSON object
+    (OpenAI response_format json_object); else JSON Schema text the output is valid against."""
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schema is None:
+            return
+        if not isinstance(self.schema, str):
+            raise InvalidRequestError("response_format.json_schema.schema must be a JSON object")
+        try:
+            doc = json.loads(self.schema)
+        except ValueError as e:
+            raise InvalidRequestError(f"response_format.json_schema.schema is not valid JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise InvalidRequestError("response_format.json_schema.schema must be a JSON object, "
+                                      f"got {type(doc).__name__}")
 
 
 @dataclass(frozen=True)
@@ -25,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None  # None -> no logprobs; N >= 0 -> chosen token + top-N
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    guided: GuidedJSON | None = None  # constrained decoding (response_format); None: free text
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -54,6 +76,8 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if len(self.stop) > 16:
             bad("at most 16 stop strings are allowed")
+        if self.guided is not None and not isinstance(self.guided, GuidedJSON):
+            bad(f"guided must be a GuidedJSON, got {type(self.guided).__name__}")
 
     @property
     def greedy(self) -> bool:

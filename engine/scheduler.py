@@ -259,6 +259,8 @@ class Scheduler:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         p = req.params
         tok = req.output_token_ids[-1]
+        if req.grammar is not None and req.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED  # the structured output is complete
         if len(req.output_token_ids) >= p.min_tokens:
             if not p.ignore_eos and tok in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -283,6 +285,8 @@ class Scheduler:
                 if req.request_id not in sampled:
                     raise KeyError(f"no sampled token for request {req.request_id!r}")
                 req.output_token_ids.append(int(sampled[req.request_id]))
+                if req.grammar is not None:
+                    req.grammar.accept(req.output_token_ids[-1])
                 status = self._check_stop(req)
             self.kv.cache_full_blocks(req)
             if status is not None:

@@ -2,6 +2,7 @@
 
 Order of processing (all batched on torch tensors):
   1. min_tokens: eos (unless ignore_eos) and stop_token_ids -> -inf while output < min_tokens
+  1b. constrained decoding: tokens a row's grammar disallows -> -inf (engine/structured.py)
   2. penalties: repetition (HF: positive logits / p, negative * p, for tokens in prompt+output),
      then presence / frequency on output tokens (OpenAI: l -= freq * count + pres * (count > 0))
   3. greedy rows: argmax here (exactly argmax of the raw logits when 1-2 changed nothing)
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.layers.sampling_batch import SamplingBatch, mix_seed
+from engine.structured import apply_bitmask
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "mix_seed"]
 
@@ -92,6 +94,8 @@ class Sampler:
         if batch.ban_rows is not None:
             x = x.index_put((batch.ban_rows, batch.ban_tokens),
                             torch.tensor(float("-inf"), device=x.device))
+        if batch.grammar_rows is not None:
+            x = apply_bitmask(x, batch.grammar_rows, batch.grammar_bitmask)
         x = apply_penalties(x, batch)
         greedy_tok = x.argmax(dim=-1)
         if batch.all_greedy:

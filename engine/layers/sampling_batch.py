@@ -73,6 +73,10 @@ class SamplingBatch:
     ban_tokens: torch.Tensor | None
     logprobs: list[int | None]  # per row: None or N (chosen + top-N)
     pen_host: tuple[int, ...] = ()  # pen_rows on the host
+    # constrained decoding: rows [G] long and their allowed tokens, int32 [G, ceil(V/32)] bits
+    # (engine/structured.py), filled on the host from each request's grammar state
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -82,13 +86,15 @@ class SamplingBatch:
     def greedy_only(self) -> bool:
         """Every row takes the argmax of the raw logits (no bans, no penalties): the sampler's
         tokens are exactly logits.argmax(-1), which a decode graph computes itself."""
-        return self.all_greedy and self.ban_rows is None and self.pen_rows is None
+        return (self.all_greedy and self.ban_rows is None and self.pen_rows is None
+                and self.grammar_rows is None)
 
     @property
     def step_dependent(self) -> bool:
         """Whether the batch holds state of the outputs so far (seeded rows' noise, a
         min_tokens ban still on, penalty counts): then the next step needs a new one."""
-        return bool(self.seeded) or self.ban_rows is not None or self.pen_rows is not None
+        return (bool(self.seeded) or self.ban_rows is not None or self.pen_rows is not None
+                or self.grammar_rows is not None)
 
     def count_pending(self, src: list[int | None], tokens: torch.Tensor) -> None:
         """Count tokens the rows' requests produced that are still on the device (an
@@ -152,7 +158,9 @@ class SamplingBatch:
 
         ban_r, ban_t = [], []
         for i, (r, p) in enumerate(zip(reqs, ps)):
-            if n_out[i] < p.min_tokens:
+            # a grammar decides where its output ends: banning its end token could leave no
+            # token allowed
+            if n_out[i] < p.min_tokens and r.grammar is None:
                 stops = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     stops.update(r.eos_token_ids)
@@ -162,6 +170,7 @@ class SamplingBatch:
                         ban_t.append(t)
         ban_rows = torch.tensor(ban_r, dtype=torch.long, device=dev) if ban_r else None
         ban_tokens = torch.tensor(ban_t, dtype=torch.long, device=dev) if ban_t else None
+        g_rows, g_bits = _grammar_masks(reqs, V, dev, ahead)
 
         return SamplingBatch(
             request_ids=[r.request_id for r in reqs], vocab_size=V, device=dev,
@@ -173,4 +182,21 @@ class SamplingBatch:
             pen_rows=pen_rows, repetition_penalty=rep, presence_penalty=pres,
             frequency_penalty=freq, seen_mask=seen, output_counts=counts,
             ban_rows=ban_rows, ban_tokens=ban_tokens,
-            logprobs=[p.logprobs for p in ps], pen_host=tuple(pen))
+            logprobs=[p.logprobs for p in ps], pen_host=tuple(pen),
+            grammar_rows=g_rows, grammar_bitmask=g_bits)
+
+
+def _grammar_masks(reqs: list[Request], V: int, dev: torch.device, ahead: list[int] | None):
+    """(rows [G], bitmask [G, W]) on dev for the rows with a live grammar, or (None, None)."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated]
+    if not rows:
+        return None, None
+    if ahead and any(ahead[i] for i in rows):
+        # the mask depends on every token so far: such rows never run blind (engine/overlap.py)
+        raise RuntimeError("a constrained request's previous token is not on the host")
+    cuda = dev.type == "cuda"
+    bits = torch.full((len(rows), (V + 31) // 32), -1, dtype=torch.int32, pin_memory=cuda)
+    for j, i in enumerate(rows):
+        reqs[i].grammar.fill(bits, j)
+    return (torch.tensor(rows, dtype=torch.long, device=dev),
+            bits.to(dev, non_blocking=cuda))
