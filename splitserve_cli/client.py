@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 
@@ -11,6 +12,10 @@ def add_args(p: argparse.ArgumentParser, chat: bool) -> None:
     if not chat:
         p.add_argument("prompt", help="prompt text")
     p.add_argument("--server", default="127.0.0.1:50051", help="gateway gRPC host:port")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
+                   help="sent as 'authorization: Bearer <key>' (a gateway run with --api-key)")
+    p.add_argument("--tls-ca", default=None,
+                   help="connect over TLS, trusting this CA / self-signed certificate (PEM)")
     p.add_argument("--max-tokens", type=int, default=256 if chat else 64)
     p.add_argument("--temperature", type=float, default=0.7 if chat else 0.0)
     p.add_argument("--top-p", type=float, default=None)
@@ -58,12 +63,25 @@ async def stream_one(stub, req, out=sys.stdout, stats: bool = False) -> str:
     return text
 
 
+def _channel(a):
+    import grpc
+
+    from common.auth import MetadataChannel
+
+    if a.tls_ca:
+        with open(a.tls_ca, "rb") as f:
+            ch = grpc.aio.secure_channel(a.server, grpc.ssl_channel_credentials(f.read()))
+    else:
+        ch = grpc.aio.insecure_channel(a.server)
+    return MetadataChannel(ch, (("authorization", f"Bearer {a.api_key}"),)) if a.api_key else ch
+
+
 async def _run(a, chat: bool) -> int:
     import grpc
 
     from protos import generate_pb2_grpc
 
-    async with grpc.aio.insecure_channel(a.server) as ch:
+    async with _channel(a) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         try:
             if not chat:

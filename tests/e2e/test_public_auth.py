@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import subprocess
+import sys
 
 import grpc
 import httpx
@@ -121,6 +122,15 @@ async def test_grpc_needs_a_key_over_tls(front):
             return grpc.StatusCode.OK
         codes = set(await asyncio.gather(*(generate(200) for _ in range(6))))
         assert codes == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+
+
+def test_cli_client_with_a_key_over_tls(front):
+    s, cert = front
+    r = subprocess.run([sys.executable, "-m", "splitserve_cli", "generate", "hello", "--server",
+                        s.grpc_address, "--tls-ca", cert, "--api-key", KEYS[0], "--max-tokens", "3",
+                        "--stats"], cwd=harness.ROOT, env=harness.child_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "3 completion tokens" in r.stderr, r.stderr
 
 
 async def test_concurrency_per_key(front):
