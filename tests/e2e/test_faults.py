@@ -125,12 +125,23 @@ async def served_within(u, within_s: float) -> float:
     return time.monotonic() - t0
 
 
-async def stream_tokens(stub, n: int) -> tuple[list[int], str]:
-    toks, fin = [], ""
+async def stream_tokens(stub, n: int, started: asyncio.Event | None = None) -> tuple[int, str]:
+    """-> (tokens received, finish reason name); `started` is set at the first message."""
+    toks, fin = 0, ""
     async for m in stub.Generate(gen(n)):
-        toks += m.token_ids
+        toks += len(m.token_ids)
         fin = generate_pb2.FinishReason.Name(m.finish_reason) if m.finish_reason else fin
+        if started is not None:
+            started.set()
     return toks, fin
+
+
+async def streams_started(stub, k: int, n: int) -> list[asyncio.Future]:
+    """k streams of n tokens, each past its first message (decoding) on return."""
+    evs = [asyncio.Event() for _ in range(k)]
+    calls = [asyncio.ensure_future(stream_tokens(stub, n, e)) for e in evs]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in evs)), 60)
+    return calls
 
 
 # ---- the cases ------------------------------------------------------------------------------
@@ -162,9 +173,7 @@ async def test_frozen_decode_fails_fast_and_resumes(up):
     dec = pids(up)["decode"]
     async with grpc.aio.insecure_channel(up.grpc_address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        want = await stream_tokens(stub, 24)
-        call = asyncio.ensure_future(stream_tokens(stub, 24))
-        await asyncio.sleep(0.3)
+        [call] = await streams_started(stub, 1, 16)
         os.kill(dec, signal.SIGSTOP)
         try:
             degraded_s = await wait_health(up, 503, 5.0)
@@ -182,7 +191,7 @@ async def test_frozen_decode_fails_fast_and_resumes(up):
         finally:
             os.kill(dec, signal.SIGCONT)
         got = await asyncio.wait_for(call, 30)  # the stream in flight resumes where it stopped
-    assert got == want and degraded_s < 5
+    assert got == (16, "FINISH_REASON_LENGTH") and degraded_s < 5
     await wait_health(up, 200, 10)
 
 
@@ -212,16 +221,15 @@ async def test_killed_prefill_lets_decoding_streams_finish(up):
     before = pids(up)
     async with grpc.aio.insecure_channel(up.grpc_address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        want = await stream_tokens(stub, 40)
         msgs = []
         it = stub.Generate(gen(40))
         async for m in it:
             msgs.append(m)
             if len(msgs) == 2:  # decoding: prefill's part is over
                 os.kill(before["prefill"], signal.SIGKILL)
-        got = ([t for m in msgs for t in m.token_ids],
+        got = (sum(len(m.token_ids) for m in msgs),
                generate_pb2.FinishReason.Name(msgs[-1].finish_reason))
-    assert got == want
+    assert got == (40, "FINISH_REASON_LENGTH")
     await served_within(up, 60)
     assert pids(up)["prefill"] != before["prefill"]
 
@@ -231,9 +239,7 @@ async def test_sigterm_drains_streams_then_exits(up):
 
     async with grpc.aio.insecure_channel(up.grpc_address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        want = await stream_tokens(stub, 40)
-        calls = [asyncio.ensure_future(stream_tokens(stub, 40)) for _ in range(2)]
-        await asyncio.sleep(0.5)
+        calls = await streams_started(stub, 2, 16)
         t0 = time.monotonic()
         up.popen.send_signal(signal.SIGTERM)
         hs = health_pb2_grpc.HealthStub(ch)
@@ -246,6 +252,6 @@ async def test_sigterm_drains_streams_then_exits(up):
             assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
             assert (await health(up))[1]["status"] == "draining"
         got = await asyncio.gather(*calls)
-    assert got == [want, want]  # every stream in flight finished
+    assert got == [(16, "FINISH_REASON_LENGTH")] * 2  # every stream in flight finished
     rc = await asyncio.to_thread(up.popen.wait, DRAIN_S + 10)
     assert rc == 0 and time.monotonic() - t0 < DRAIN_S, up.log()[-3000:]
