@@ -16,13 +16,15 @@ from common.trace_otlp import Span
 # span name -> phase, in the order a request goes through them
 PHASES = {"gateway.admission": "admission", "decode.reserve": "reserve", "prefill": "prefill",
           "kv.send": "kv handoff", "kv.receive": "kv handoff", "decode": "decode"}
-PHASE_ORDER = ("gateway", "admission", "reserve", "prefill", "kv handoff", "decode")
+PHASE_ORDER = ("gateway", "admission", "reserve", "prefill", "kv handoff", "decode", "prefill+decode")
 _KV_RPC_METHODS = ("PushKV", "PoolHandoff", "PairSession")
 
 
 def phase_of(s: Span) -> str | None:
     if GenAI.OPERATION in s.attributes:
         return "gateway"
+    if s.name == "decode" and s.attributes.get("splitserve.prefill_here"):
+        return "prefill+decode"  # prefilled on the decode replica (--prefill-on-decode)
     if s.name in PHASES:
         return PHASES[s.name]
     if s.attributes.get("rpc.method") in _KV_RPC_METHODS:
@@ -73,7 +75,8 @@ def find(reqs: list[Request], request_id: str | None = None, trace_id: str | Non
     else:
         got = sorted(reqs, key=lambda r: -r.root.duration_ms)
     if not got:
-        what = f"request id {request_id!r}" if request_id else f"trace id {trace_id!r}" if trace_id else "a request"
+        what = (f"request id {request_id!r}" if request_id
+                else f"trace id {trace_id!r}" if trace_id else "a request")
         raise LookupError(f"no trace with {what} among {len(reqs)} requests")
     return got[0]
 
@@ -129,14 +132,14 @@ def waterfall(req: Request, width: int = 50, all_spans: bool = False) -> str:
         facts.insert(0, f"ttft={a[GenAI.TIME_TO_FIRST_CHUNK] * 1e3:.2f} ms")
     out = [head, "  " + "  ".join(facts),
            f"{'span':<44} {'service':<9} {'start ms':>9} {'dur ms':>9} |{'':<{width}}|", *rows, "",
-           f"{'phase':<12} {'start ms':>9} {'dur ms':>9} {'gap before':>11}"]
+           f"{'phase':<14} {'start ms':>9} {'dur ms':>9} {'gap before':>11}"]
     ends, ph = t0, req.phases()
     for p in PHASE_ORDER:
         if p not in ph:
             continue
         a_ns, b_ns = ph[p]
         gap = (a_ns - ends) / 1e6 if p != "gateway" else 0.0
-        out.append(f"{p:<12} {(a_ns - t0) / 1e6:>9.2f} {(b_ns - a_ns) / 1e6:>9.2f} "
+        out.append(f"{p:<14} {(a_ns - t0) / 1e6:>9.2f} {(b_ns - a_ns) / 1e6:>9.2f} "
                    f"{max(gap, 0.0):>11.2f}")
         ends = a_ns if p == "gateway" else max(ends, b_ns)
     return "\n".join(out)
@@ -150,11 +153,14 @@ def slowest(reqs: list[Request], n: int = 10) -> str:
     rows = [head]
     for r in sorted(reqs, key=lambda r: -r.root.duration_ms)[:n]:
         a, ph = r.root.attributes, r.phases()
+        if "prefill+decode" in ph:
+            ph.setdefault("decode", ph["prefill+decode"])
         ttft = a.get(GenAI.TIME_TO_FIRST_CHUNK)
         rows.append(f"{r.request_id[:24]:<24} {r.root.duration_ms:>9.2f} "
                     f"{(f'{ttft * 1e3:.2f}' if ttft is not None else '-'):>8} "
                     f"{a.get(GenAI.USAGE_INPUT_TOKENS, '-'):>5} {a.get(GenAI.USAGE_OUTPUT_TOKENS, '-'):>5} "
-                    + " ".join(f"{(ph[c][1] - ph[c][0]) / 1e6:>9.2f}" if c in ph else f"{'-':>9}" for c in cols)
+                    + " ".join(f"{(ph[c][1] - ph[c][0]) / 1e6:>9.2f}" if c in ph else f"{'-':>9}"
+                               for c in cols)
                     + f"  {a.get(GenAI.ERROR_TYPE, '')}")
     rows.append(f"{len(reqs)} requests")
     return "\n".join(rows)

@@ -163,7 +163,7 @@ async def test_waterfall_from_the_services_file(stack, capsys):
 
     def phases(out: str) -> set[str]:
         table = out.split("\nphase")[1].splitlines()[1:]
-        return {line[:12].strip() for line in table}
+        return {line.rsplit(None, 3)[0] for line in table}
 
     for _ in range(50):  # the file exporters flush on their own batch schedule
         rc, out, err = _cli(capsys, "show", stack.spans_file, "--request-id", "wf-1")

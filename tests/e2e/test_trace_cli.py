@@ -60,10 +60,12 @@ def test_receiver_writes_what_show_reads(capsys):
     assert set(spans) == {"chat m", "gateway.admission", "decode"}
     want_tid = f"{root.get_span_context().trace_id:032x}"
     assert {s.trace_id for s in spans.values()} == {want_tid}
-    assert spans["decode"].parent_span_id == spans["chat m"].span_id == f"{root.get_span_context().span_id:016x}"
+    root_id = f"{root.get_span_context().span_id:016x}"
+    assert spans["decode"].parent_span_id == spans["chat m"].span_id == root_id
     assert spans["chat m"].attributes["gen_ai.response.finish_reasons"] == ["stop"]
     assert spans["chat m"].attributes["gen_ai.usage.output_tokens"] == 3
-    assert spans["chat m"].service == "splitserve-gateway" and spans["chat m"].end_ns > spans["chat m"].start_ns
+    chat = spans["chat m"]
+    assert chat.service == "splitserve-gateway" and chat.end_ns > chat.start_ns
     capsys.readouterr()
     assert main(["trace", "show", out]) == 0
     shown = capsys.readouterr().out
