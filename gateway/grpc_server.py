@@ -17,7 +17,7 @@ from engine.sampling_params import InvalidRequestError
 from gateway.core import GatewayCore
 from gateway.schemas import ChatMessagesFields, GenerateFields
 from gateway.types import GatewayError, GenChunk, GenRequest, invalid
-from gateway.validate import Limits, check_text_size, parse, sampling_params
+from gateway.validate import Limits, check_text_size, encode, parse, sampling_params
 from protos import generate_pb2
 
 log = logging.getLogger("splitserve.gateway.grpc")
@@ -30,7 +30,7 @@ _PB_NAMES = {**{f: f"sampling.{f}" for f in SAMPLING_FIELDS},
              "ttft_ms": "slo.ttft_ms", "tpot_ms": "slo.tpot_ms"}
 
 
-def chat_to_ids(core: GatewayCore, msgs_pb, limits: Limits) -> list[int]:
+async def chat_to_ids(core: GatewayCore, msgs_pb, limits: Limits) -> list[int]:
     if core.tokenizer is None:
         raise invalid("this model has no tokenizer: send token_ids", param="messages")
     check_text_size([m.content for m in msgs_pb.messages], limits, "messages")
@@ -43,7 +43,7 @@ def chat_to_ids(core: GatewayCore, msgs_pb, limits: Limits) -> list[int]:
     except ValueError as e:
         raise invalid(f"messages: {e}", param="messages") from None
     # NOTE: the template already holds the special tokens (bos etc.)
-    return core.tokenizer.encode(text, add_special_tokens=False)
+    return await encode(core.tokenizer, text, False)
 
 
 def _fields(pb) -> tuple[GenerateFields, dict]:
@@ -64,7 +64,7 @@ def _fields(pb) -> tuple[GenerateFields, dict]:
     return parse(GenerateFields, kw, _PB_NAMES), extra
 
 
-def request_from_pb(core: GatewayCore, pb, limits: Limits) -> GenRequest:
+async def request_from_pb(core: GatewayCore, pb, limits: Limits) -> GenRequest:
     f, extra = _fields(pb)
     which = pb.WhichOneof("input")
     if which is None:
@@ -75,10 +75,10 @@ def request_from_pb(core: GatewayCore, pb, limits: Limits) -> GenRequest:
         if core.tokenizer is None:
             raise invalid("this model has no tokenizer: send token_ids", param="prompt")
         check_text_size(pb.prompt, limits, "prompt")
-        ids = core.tokenizer.encode(pb.prompt, add_special_tokens=True)
+        ids = await encode(core.tokenizer, pb.prompt, True)
         op = "text_completion"
     elif which == "messages":
-        ids, op = chat_to_ids(core, pb.messages, limits), "chat"
+        ids, op = await chat_to_ids(core, pb.messages, limits), "chat"
     else:
         ids, op = list(pb.token_ids.ids), "text_completion"
     core.check_prompt(ids)
@@ -133,7 +133,7 @@ class GenerationServicer:
         try:
             if isinstance(request, Malformed):
                 raise invalid(request.message)
-            req = request_from_pb(self.core, request, self.limits)
+            req = await request_from_pb(self.core, request, self.limits)
             async for chunk in self.core.generate(req, metadata=context.invocation_metadata()):
                 yield chunk_to_pb(req.request_id, chunk)
         except GatewayError as e:
@@ -148,10 +148,10 @@ class GenerationServicer:
             if core.tokenizer is None:
                 raise invalid("this model has no tokenizer")
             if which == "messages":
-                ids = chat_to_ids(core, request.messages, self.limits)
+                ids = await chat_to_ids(core, request.messages, self.limits)
             elif which == "text":
                 check_text_size(request.text, self.limits, "text")
-                ids = core.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+                ids = await encode(core.tokenizer, request.text, request.add_special_tokens)
             else:
                 raise invalid("one of text or messages is required", param="input")
         except GatewayError as e:

@@ -8,9 +8,9 @@ Extensions accepted in the body: top_k, min_p, repetition_penalty, min_tokens, i
 stop_token_ids, priority, request_id, ttft_ms, tpot_ms (per-request SLOs; also as "slo": {...}).
 A request without max_tokens generates until an end token or the end of the context (as vLLM),
 unless the gateway was given --default-max-tokens; one beyond the context is a 400 (or capped:
---max-tokens-over-context). response_format json_object / json_schema is constrained decoding
-in the engine (SamplingParams.guided). Fields whose meaning this server cannot honour (n > 1,
-logit_bias, tools, vLLM's guided_*) are a 400 naming the field, never silently ignored.
+--max-tokens-over-context). Fields whose meaning this server cannot honour (n > 1,
+response_format json_object / json_schema, logit_bias, tools, vLLM's guided_*) are a 400
+naming the field, never silently ignored.
 
 /tokenize and /detokenize take vLLM's bodies: {"prompt"} or {"messages"} (+ add_special_tokens,
 add_generation_prompt, return_token_strs) -> {"count", "max_model_len", "tokens", "token_strs"};
@@ -18,17 +18,15 @@ add_generation_prompt, return_token_strs) -> {"count", "max_model_len", "tokens"
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
-from engine.sampling_params import GuidedJSON
 from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, json_type
 from gateway.types import GatewayError, GenChunk, GenRequest, invalid
-from gateway.validate import Limits, parse, sampling_params
+from gateway.validate import Limits, encode, parse, sampling_params
 
 # field -> the one value that means "not used" (empty values are accepted as well)
 _UNSUPPORTED = {"suffix": None, "echo": False, "best_of": 1, "tools": None, "functions": None,
@@ -86,20 +84,10 @@ def _unsupported(body: dict) -> None:
     if rf is not None and not isinstance(rf, dict):
         raise invalid(f"'response_format' must be an object, got {json_type(rf)}",
                       param="response_format")
-
-
-def _guided(b) -> dict:
-    """response_format -> the engine's constrained decoding (engine/structured.py compiles it;
-    a schema it cannot compile comes back from prefill as a 400 naming the field)."""
-    rf = b.response_format
-    if rf is None or rf.type == "text":
-        return {}
-    if rf.type == "json_object":
-        return {"guided": GuidedJSON()}
-    if rf.json_schema is None:
-        raise invalid("response_format.json_schema is required with type 'json_schema'",
-                      param="response_format.json_schema")
-    return {"guided": GuidedJSON(json.dumps(rf.json_schema.schema_))}
+    if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+        raise invalid(f"response_format {rf['type']!r} is not supported: this server has no "
+                      f"constrained decoding, so the output would not be guaranteed JSON (leave "
+                      f"response_format out, or use type 'text')", param="response_format")
 
 
 def _gen(b, ids: list[int], params, core, op: str) -> GenRequest:
@@ -114,17 +102,17 @@ def _include_usage(b) -> bool:
     return bool(b.stream_options and b.stream_options.include_usage)
 
 
-def parse_completion(body, core, served: list[str], limits: Limits) -> ParsedRequest:
+async def parse_completion(body, core, served: list[str], limits: Limits) -> ParsedRequest:
     check_body(body, served)
     _unsupported(body)
     b = parse(CompletionBody, body)
     if isinstance(b.prompt, str):
         tok = _tokenizer(core, ": send 'prompt' as an array of token ids", param="prompt")
-        ids = tok.encode(b.prompt, add_special_tokens=True)
+        ids = await encode(tok, b.prompt, True)
     else:
         ids = list(b.prompt)
     core.check_prompt(ids)
-    params = sampling_params(b, len(ids), limits, logprobs=b.logprobs, **_guided(b))
+    params = sampling_params(b, len(ids), limits, logprobs=b.logprobs)
     gen = _gen(b, ids, params, core, "text_completion")
     return ParsedRequest(gen, bool(b.stream), _include_usage(b), "completion", b.logprobs)
 
@@ -141,7 +129,7 @@ def _chat_text(core, messages: list[Message], add_generation_prompt: bool = True
         raise invalid(f"messages: {e}", param="messages") from None
 
 
-def parse_chat(body, core, served: list[str], limits: Limits) -> ParsedRequest:
+async def parse_chat(body, core, served: list[str], limits: Limits) -> ParsedRequest:
     check_body(body, served)
     _unsupported(body)
     b = parse(ChatBody, body)
@@ -149,28 +137,27 @@ def parse_chat(body, core, served: list[str], limits: Limits) -> ParsedRequest:
     if b.top_logprobs is not None and not b.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     lp = (b.top_logprobs or 0) if b.logprobs else None
-    ids = tok.encode(_chat_text(core, b.messages), add_special_tokens=False)
+    ids = await encode(tok, _chat_text(core, b.messages), False)
     core.check_prompt(ids)
     use_mct = b.max_completion_tokens is not None
     params = sampling_params(b, len(ids), limits, logprobs=lp,
                              max_tokens=b.max_completion_tokens if use_mct else b.max_tokens,
-                             param="max_completion_tokens" if use_mct else "max_tokens",
-                             **_guided(b))
+                             param="max_completion_tokens" if use_mct else "max_tokens")
     return ParsedRequest(_gen(b, ids, params, core, "chat"), bool(b.stream), _include_usage(b),
                          "chat", lp)
 
 
 # ---- /tokenize, /detokenize (vLLM's bodies) --------------------------------------------------
 
-def tokenize(body, core, served: list[str]) -> dict:
+async def tokenize(body, core, served: list[str]) -> dict:
     check_body(body, served, model_required=False)
     b = parse(TokenizeBody, body)
     tok = _tokenizer(core)
     if b.messages is not None:
         text = _chat_text(core, b.messages, b.add_generation_prompt is not False)
-        ids = tok.encode(text, add_special_tokens=bool(b.add_special_tokens))
+        ids = await encode(tok, text, bool(b.add_special_tokens))
     elif b.prompt is not None:
-        ids = tok.encode(b.prompt, add_special_tokens=b.add_special_tokens is not False)
+        ids = await encode(tok, b.prompt, b.add_special_tokens is not False)
     else:
         raise invalid("one of 'prompt' or 'messages' is required", param="prompt")
     strs = [tok.tk.id_to_token(i) for i in ids] if b.return_token_strs else None

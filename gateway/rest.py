@@ -92,7 +92,7 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return oa.tokenize(await read_json_body(request, max_body_bytes), core, served)
+        return await oa.tokenize(await read_json_body(request, max_body_bytes), core, served)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -101,7 +101,7 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
     async def handle(request: Request, kind: str):
         body = await read_json_body(request, max_body_bytes)
         parse = oa.parse_chat if kind == "chat" else oa.parse_completion
-        pr = parse(body, core, served, limits)
+        pr = await parse(body, core, served, limits)
         headers = dict(request.headers)  # carries traceparent when the client sent one
         rid = oa.new_id(kind)
         model = core.model_name

@@ -61,8 +61,9 @@ class SamplingFields(Strict):
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: Optional[bool] = None
     priority: Optional[int] = Field(None, ge=-I32 - 1, le=I32)
-    ttft_ms: Optional[float] = _finite(0.0, float(U32), gt=True)
-    tpot_ms: Optional[float] = _finite(0.0, float(U32), gt=True)
+    # an SLO of 0 ms is valid and impossible: admission answers 429 / RESOURCE_EXHAUSTED
+    ttft_ms: Optional[float] = _finite(0.0, float(U32))
+    tpot_ms: Optional[float] = _finite(0.0, float(U32))
 
     @field_validator("stop")
     @classmethod
@@ -109,24 +110,16 @@ class Message(Strict):
 
 
 class Slo(Strict):
-    ttft_ms: Optional[float] = _finite(0.0, float(U32), gt=True)
-    tpot_ms: Optional[float] = _finite(0.0, float(U32), gt=True)
+    ttft_ms: Optional[float] = _finite(0.0, float(U32))
+    tpot_ms: Optional[float] = _finite(0.0, float(U32))
 
 
 class StreamOptions(Strict):
     include_usage: Optional[bool] = None
 
 
-class JsonSchemaFormat(Strict):
-    name: Optional[str] = None
-    description: Optional[str] = None
-    schema_: dict = Field(..., alias="schema")  # the JSON Schema the output must satisfy
-    strict: Optional[bool] = None
-
-
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaFormat] = None  # required with type json_schema
 
 
 class _OpenAIBody(SamplingFields):

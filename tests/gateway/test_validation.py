@@ -66,7 +66,7 @@ async def grpc_stub(stack):
     ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"priority": 1 << 31}, "priority"),
-    ({"ttft_ms": 0}, "ttft_ms"), ({"slo": {"tpot_ms": -1}}, "slo.tpot_ms"),
+    ({"ttft_ms": -1}, "ttft_ms"), ({"slo": {"tpot_ms": -1}}, "slo.tpot_ms"),
     ({"logprobs": 6}, "logprobs"), ({"n": 2}, "n"), ({"stop": [""]}, "stop"),
     ({"request_id": ""}, "request_id"), ({"stream_options": {"include_usage": 1}},
                                           "stream_options.include_usage"),
@@ -232,7 +232,7 @@ NAN, INF = float("nan"), float("inf")
     ({"max_tokens": U32 - 1}, "max_tokens"),
     ({"stop_token_ids": [U32 - 1]}, "stop_token_ids"),
     ({"stop": [""]}, "stop"),
-    ({"slo": generate_pb2.SLO(ttft_ms=0)}, "slo.ttft_ms"),
+    ({"sampling": S(seed=-5, presence_penalty=2.5)}, "sampling.presence_penalty"),
     ({"messages": generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(
         role="bot", content="x")])}, "messages[0].role"),
     ({"messages": generate_pb2.ChatMessages()}, "messages"),
@@ -289,3 +289,23 @@ async def test_grpc_and_rest_accept_the_same_roles(rest, grpc_stub):
             generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role=role, content="x")]))))
         assert (r.status_code == 200) == (code == grpc.StatusCode.OK), (role, r.text, code)
         assert r.status_code in (200, 400)
+
+
+async def test_long_prompt_is_tokenized_off_the_event_loop(stack):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    async with _client(stack, max_body_bytes=8 << 20) as c:
+        t = asyncio.create_task(ticker())
+        t0 = time.monotonic()
+        r = await c.post("/v1/completions", json={**COMP, "prompt": "ab " * (100 << 10)})
+        dt = time.monotonic() - t0
+        t.cancel()
+    assert r.status_code == 400 and "too long" in r.text
+    # the loop ran on while the 300 KiB prompt was tokenized (encode on the loop: ~no ticks)
+    assert ticks >= 0.2 * dt / 0.005, (ticks, dt)
