@@ -103,9 +103,10 @@ def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | N
 
         provider.add_span_processor(GenAIMetricsProcessor(meter_provider.get_meter("splitserve")))
     _set_provider(provider)
-    from common.trace_grpc import instrument_grpc
+    if exporters or trace_file:  # metrics alone need only the gateway's GenAI span
+        from common.trace_grpc import instrument_grpc
 
-    instrument_grpc(provider)
+        instrument_grpc(provider)
     log.info("tracing: service=%s exporters=%s%s metrics=%s", name, exporters or ["none"],
              f" file={trace_file}" if trace_file else "", list_env("OTEL_METRICS_EXPORTER") or "none")
     return provider
