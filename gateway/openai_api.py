@@ -8,9 +8,9 @@ Extensions accepted in the body: top_k, min_p, repetition_penalty, min_tokens, i
 stop_token_ids, priority, request_id, ttft_ms, tpot_ms (per-request SLOs; also as "slo": {...}).
 A request without max_tokens generates until an end token or the end of the context (as vLLM),
 unless the gateway was given --default-max-tokens; one beyond the context is a 400 (or capped:
---max-tokens-over-context). Fields whose meaning this server cannot honour (n > 1,
-response_format json_object / json_schema, logit_bias, tools, vLLM's guided_*) are a 400
-naming the field, never silently ignored.
+--max-tokens-over-context). response_format json_object / json_schema is constrained decoding
+in the engine (SamplingParams.guided). Fields whose meaning this server cannot honour (n > 1,
+logit_bias, tools, vLLM's guided_*) are a 400 naming the field, never silently ignored.
 
 /tokenize and /detokenize take vLLM's bodies: {"prompt"} or {"messages"} (+ add_special_tokens,
 add_generation_prompt, return_token_strs) -> {"count", "max_model_len", "tokens", "token_strs"};
@@ -18,12 +18,14 @@ add_generation_prompt, return_token_strs) -> {"count", "max_model_len", "tokens"
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
+from engine.sampling_params import GuidedJSON
 from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, json_type
 from gateway.types import GatewayError, GenChunk, GenRequest, invalid
 from gateway.validate import Limits, encode, parse, sampling_params
@@ -84,10 +86,20 @@ def _unsupported(body: dict) -> None:
     if rf is not None and not isinstance(rf, dict):
         raise invalid(f"'response_format' must be an object, got {json_type(rf)}",
                       param="response_format")
-    if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
-        raise invalid(f"response_format {rf['type']!r} is not supported: this server has no "
-                      f"constrained decoding, so the output would not be guaranteed JSON (leave "
-                      f"response_format out, or use type 'text')", param="response_format")
+
+
+def _guided(b) -> dict:
+    """response_format -> the engine's constrained decoding (engine/structured.py compiles it;
+    a schema it cannot compile comes back from prefill as a 400 naming the field)."""
+    rf = b.response_format
+    if rf is None or rf.type == "text":
+        return {}
+    if rf.type == "json_object":
+        return {"guided": GuidedJSON()}
+    if rf.json_schema is None:
+        raise invalid("response_format.json_schema is required with type 'json_schema'",
+                      param="response_format.json_schema")
+    return {"guided": GuidedJSON(json.dumps(rf.json_schema.schema_))}
 
 
 def _gen(b, ids: list[int], params, core, op: str) -> GenRequest:
@@ -112,7 +124,7 @@ async def parse_completion(body, core, served: list[str], limits: Limits) -> Par
     else:
         ids = list(b.prompt)
     core.check_prompt(ids)
-    params = sampling_params(b, len(ids), limits, logprobs=b.logprobs)
+    params = sampling_params(b, len(ids), limits, logprobs=b.logprobs, **_guided(b))
     gen = _gen(b, ids, params, core, "text_completion")
     return ParsedRequest(gen, bool(b.stream), _include_usage(b), "completion", b.logprobs)
 
@@ -142,7 +154,8 @@ async def parse_chat(body, core, served: list[str], limits: Limits) -> ParsedReq
     use_mct = b.max_completion_tokens is not None
     params = sampling_params(b, len(ids), limits, logprobs=lp,
                              max_tokens=b.max_completion_tokens if use_mct else b.max_tokens,
-                             param="max_completion_tokens" if use_mct else "max_tokens")
+                             param="max_completion_tokens" if use_mct else "max_tokens",
+                             **_guided(b))
     return ParsedRequest(_gen(b, ids, params, core, "chat"), bool(b.stream), _include_usage(b),
                          "chat", lp)
 

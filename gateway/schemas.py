@@ -118,8 +118,16 @@ class StreamOptions(Strict):
     include_usage: Optional[bool] = None
 
 
+class JsonSchemaFormat(Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: dict = Field(..., alias="schema")  # the JSON Schema the output must satisfy
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None  # required with type json_schema
 
 
 class _OpenAIBody(SamplingFields):
