@@ -131,10 +131,11 @@ async def test_services_greedy_over_nixl_equals_colocated():
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
                               cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
                               device=DeviceConfig(device="cpu")))
-    assert got == [o.token_ids for o in eng.generate(prompts, greedy)]
+    assert got == eng.generate(prompts, greedy)
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~15 s idle, ~60 s on a loaded 2-core machine; the services test above covers the path
 def test_splitserve_up_with_nixl_serves_a_request():
     import socket
     import subprocess
