@@ -37,13 +37,13 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     log_level: str | None = None
     ready_file: str | None = None
-    drain_timeout_s: float = 30.0  # SIGTERM: running requests may finish for this long
     # credentials of the internal plane (channels to prefill / decode); None: insecure
     internal_auth: InternalAuth | None = field(default=None, repr=False)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: the public front is open
     tls_cert: str | None = None  # REST and public gRPC over TLS (with tls_key)
     tls_key: str | None = None
     max_concurrency_per_key: int | None = None
+    drain_timeout_s: float = 30.0  # SIGTERM: running requests may finish for this long
 
     def __post_init__(self):
         if self.prefill_on_decode not in PREFILL_ON_DECODE:
@@ -120,7 +120,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", action="append", default=None,
                    help="accept this API key (repeat; also --api-key-file and SPLITSERVE_API_KEY, "
                         "comma-separated): REST needs 'Authorization: Bearer <key>', gRPC the "
-                        "same as 'authorization' metadata; /health and /metrics stay open")
+                        "same as 'authorization' metadata; /health and /metrics stay open. NOTE: "
+                        "a flag shows in `ps`; prefer the file or the variable")
     g.add_argument("--api-key-file", default=env_str("SPLITSERVE_API_KEY_FILE"),
                    help="file with one API key per line")
     g.add_argument("--tls-cert", default=env_str("SPLITSERVE_TLS_CERT"),
