@@ -2,8 +2,9 @@
 
 Every internal RPC carries a shared secret in gRPC metadata; servers check it with a
 constant-time compare (grpc.health.v1 stays open for supervisors and load balancers) and
-answer UNAUTHENTICATED otherwise. Clients attach it through channel interceptors, so every
-call on an internal channel carries it. mTLS (`--internal-tls-*`) may be added on top.
+answer UNAUTHENTICATED otherwise. Clients get channels that add it to every call's metadata
+(MetadataChannel), with a per-process token decode binds requests to (caller_id). mTLS
+(`--internal-tls-*`) may be added on top.
 
 The secret also keys HMACs: decode signs its transfer tickets (prefill pushes KV only to the
 decode that issued a ticket) and the dist backend's store key prefixes.
