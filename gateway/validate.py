@@ -75,7 +75,9 @@ def _message(e: dict, path: str) -> str:
         return f"'{path}' must be {kinds[t]}, got {json_type(v)}"
     if t in bounds:
         bound = next(iter(ctx.values()))
-        return f"'{path}' must be {bounds[t]} {bound:g}, got {v}"
+        if isinstance(bound, float) and bound.is_integer() and abs(bound) < 1e16:
+            bound = int(bound)
+        return f"'{path}' must be {bounds[t]} {bound}, got {v}"
     if t == "finite_number":
         return f"'{path}' must be a finite number, got {v}"
     if t == "too_short" and ctx.get("min_length") == 1:
