@@ -27,7 +27,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transfer-timeout-s", type=float,
                    default=env_float("SPLITSERVE_TRANSFER_TIMEOUT_S", 30.0),
                    help="how long a Decode call waits for its KV")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.reserve_ttl_s <= 0:
+        p.error(f"--reserve-ttl-s must be > 0, got {a.reserve_ttl_s}")
+    return a
 
 
 async def amain(args) -> int:
