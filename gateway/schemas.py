@@ -46,7 +46,7 @@ class Strict(BaseModel):
 class SamplingFields(Strict):
     """The sampling and service fields of one generation, the same on REST and gRPC.
     None = not given (the engine's default, or the gateway's for max_tokens)."""
-    request_id: Optional[str] = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    request_id: Optional[str] = Field(None, max_length=MAX_REQUEST_ID_CHARS)  # "": the gateway's
     max_tokens: Optional[int] = Field(None, ge=1, le=U32)
     temperature: Optional[float] = _finite(0.0, 100.0)
     top_p: Optional[float] = _finite(0.0, 1.0, gt=True)

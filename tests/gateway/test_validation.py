@@ -68,7 +68,7 @@ async def grpc_stub(stack):
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"priority": 1 << 31}, "priority"),
     ({"ttft_ms": -1}, "ttft_ms"), ({"slo": {"tpot_ms": -1}}, "slo.tpot_ms"),
     ({"logprobs": 6}, "logprobs"), ({"n": 2}, "n"), ({"stop": [""]}, "stop"),
-    ({"request_id": ""}, "request_id"), ({"stream_options": {"include_usage": 1}},
+    ({"request_id": "r" * 257}, "request_id"), ({"stream_options": {"include_usage": 1}},
                                           "stream_options.include_usage"),
 ])
 async def test_out_of_range_fields_are_400_naming_them(rest, extra, param):
@@ -170,6 +170,12 @@ def test_max_tokens_over_context_flag():
 
 
 # ---- duplicate request ids --------------------------------------------------------------------
+
+async def test_empty_request_id_means_unset(rest):
+    r = await rest.post("/v1/completions", json={**COMP, "max_tokens": 2, "request_id": "",
+                                                 "stream": True})
+    assert r.status_code == 200 and r.headers["x-request-id"].startswith("req-")
+
 
 async def test_duplicate_request_id_is_409_and_the_first_goes_on(stack):
     stack.decodes[0].step_s = 0.01
