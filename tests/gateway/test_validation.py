@@ -314,4 +314,4 @@ async def test_long_prompt_is_tokenized_off_the_event_loop(stack):
         t.cancel()
     assert r.status_code == 400 and "too long" in r.text
     # the loop ran on while the 300 KiB prompt was tokenized (encode on the loop: ~no ticks)
-    assert ticks >= 0.2 * dt / 0.005, (ticks, dt)
+    assert ticks >= max(3, 0.05 * dt / 0.005), (ticks, dt)
