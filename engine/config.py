@@ -14,6 +14,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
 ASYNC_SCHEDULING = {"auto": None, "on": True, "off": False}
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+CPU_PACKED_MATMUL = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -108,8 +109,14 @@ class DeviceConfig:
     # on one small machine should split the cores: oversubscribed OpenMP threads spin and run
     # ~10x slower than one thread each.
     cpu_threads: int | None = None
+    # CPU inter-op threads (None: 1): the engine runs one forward at a time on its own thread,
+    # so an inter-op pool only adds idle threads to a small host
+    cpu_interop_threads: int | None = None
     # CPU, fp32: matmul weights stored [in, out] contiguous (engine/cpu_layout.py)
     cpu_weight_layout: bool = True
+    # CPU, fp32: matmuls of 2+ rows through oneDNN-prepacked weights (engine/cpu_matmul.py).
+    # The packed copy doubles the weights' memory: auto = on while they are <= 2 GiB
+    cpu_packed_matmul: str = "auto"
     # Decode matmuls with at most this many rows run through the fused skinny-GEMM Triton
     # kernels (norm / silu / residual fused); larger batches use cuBLAS. None: the tuned
     # default (engine.kernels.skinny_configs.DEFAULT_MAX_M); 0: off. CUDA only.
@@ -119,6 +126,10 @@ class DeviceConfig:
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
+        _check(self.cpu_interop_threads is None or self.cpu_interop_threads >= 1,
+               "cpu_interop_threads must be >= 1")
+        _check(self.cpu_packed_matmul in CPU_PACKED_MATMUL,
+               f"cpu_packed_matmul must be one of {CPU_PACKED_MATMUL}, got {self.cpu_packed_matmul!r}")
         _check(self.skinny_gemm_max_batch is None or 0 <= self.skinny_gemm_max_batch <= 64,
                f"skinny_gemm_max_batch must be in [0, 64], got {self.skinny_gemm_max_batch}")
         _check(self.cuda_graph_max_batch is None or self.cuda_graph_max_batch >= 1,

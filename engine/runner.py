@@ -31,6 +31,18 @@ log = logging.getLogger("splitserve.engine.runner")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_PACKED_MAX_BYTES = 2 << 30  # DeviceConfig.cpu_packed_matmul auto: fp32 weights up to this
+
+
+def set_interop_threads(n: int) -> None:
+    """torch's inter-op pool size; it can be set once per process, before any inter-op work
+    (a second engine in the process keeps the first one's)."""
+    if torch.get_num_interop_threads() == n:
+        return
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:
+        log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -89,9 +101,23 @@ class ModelRunner:
         model.skinny_max_m, model.skinny_rows = self._skinny_batches()
         # NOTE: the fused Triton matmuls need [out, in] weights; under the Triton interpreter
         # (tests) they may run on CPU
-        if self.device.type == "cpu" and cfg.device.cpu_weight_layout and not interpreting():
-            from engine.cpu_layout import transpose_linear_weights
+        self.packed_head: torch.Tensor | None = None  # CPU: the LM head's oneDNN copy
+        if self.device.type == "cpu" and not interpreting():
+            self._cpu_setup(model)
 
+    def _cpu_setup(self, model) -> None:
+        from engine import cpu_matmul
+        from engine.cpu_layout import transpose_linear_weights
+
+        d = self.cfg.device
+        set_interop_threads(d.cpu_interop_threads or 1)
+        want = d.cpu_packed_matmul
+        if want == "auto":
+            want = "on" if (self.dtype == torch.float32 and cpu_matmul.available()
+                            and cpu_matmul.linear_weights_bytes(model) <= CPU_PACKED_MAX_BYTES) else "off"
+        if want == "on":  # NOTE: packs from the contiguous [out, in] weights, before the layout
+            self.packed_head = cpu_matmul.pack_model(model)
+        if d.cpu_weight_layout:
             transpose_linear_weights(model)
 
     def _skinny_batches(self) -> tuple[int, frozenset[int] | None]:
@@ -311,6 +337,10 @@ class ModelRunner:
         if not logits_idx:
             return None
         idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
+        if self.packed_head is not None:
+            from engine.cpu_matmul import logits
+
+            return logits(hidden.index_select(0, idx), self.model.lm_head_weight, self.packed_head)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     def record_step_time(self, t0: float) -> None:

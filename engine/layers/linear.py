@@ -21,8 +21,12 @@ class Linear(torch.nn.Module):
                                          requires_grad=False)
         self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
+        # CPU fp32: oneDNN's prepacked copy of weight for inputs of 2+ rows (engine/cpu_matmul.py)
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] > 1:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
