@@ -161,6 +161,7 @@ def main() -> None:
     print_table(rows, ["backend", "tokens", "bytes", "ms", "GB/s", "min_ms"])
     cfg = {k: v for k, v in vars(a).items()}
     cfg["UCX_TLS"] = os.environ.get("UCX_TLS", "(unset: UCX's choice)")
+    cfg["loadavg_1m"] = round(os.getloadavg()[0], 2)  # NOTE: a shared host's load skews every row
     cfg["shape"] = (f"{a.layers} layers x 2 x {a.kv_heads} kv heads x {a.head_dim} x {a.dtype}, "
                     f"block {a.block_size}")
     print("wrote", write_result("kv_transfer", cfg, {"rows": rows}))
