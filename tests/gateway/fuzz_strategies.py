@@ -80,7 +80,8 @@ def _dumps(obj) -> bytes:
     return json.dumps(obj).encode()  # NaN / Infinity as JS literals, surrogates as \ud800
 
 
-ctypes = st.sampled_from(["application/json"] * 12 + [None, "text/plain", "application/x-www-form-urlencoded"])
+ctypes = st.sampled_from(["application/json"] * 12
+                         + [None, "text/plain", "application/x-www-form-urlencoded"])
 rest_request = st.one_of(
     st.tuples(st.just("/v1/completions"), completion.map(_dumps), ctypes),
     st.tuples(st.just("/v1/chat/completions"), chat.map(_dumps), ctypes),
@@ -93,8 +94,10 @@ rest_request = st.one_of(
 
 # ---- gRPC -----------------------------------------------------------------------------------
 
-u32 = st.sampled_from([0, 1, 255, 256, 257, 511, 512, 1 << 31, (1 << 32) - 1]) | st.integers(0, (1 << 32) - 1)
-i32 = st.sampled_from([-(1 << 31), -2, -1, 0, (1 << 31) - 1]) | st.integers(-(1 << 31), (1 << 31) - 1)
+u32 = (st.sampled_from([0, 1, 255, 256, 257, 511, 512, 1 << 31, (1 << 32) - 1])
+       | st.integers(0, (1 << 32) - 1))
+i32 = (st.sampled_from([-(1 << 31), -2, -1, 0, (1 << 31) - 1])
+       | st.integers(-(1 << 31), (1 << 31) - 1))
 i64 = st.integers(-(1 << 63), (1 << 63) - 1)
 f32 = st.sampled_from(EDGE_FLOATS) | st.floats(width=32)
 ptext = st.text(max_size=40)  # protobuf strings are valid UTF-8 (no surrogates)
@@ -130,7 +133,8 @@ pb_input = st.one_of(
     st.fixed_dictionaries({"messages": chat_pb}),
     st.fixed_dictionaries({"token_ids": st.builds(generate_pb2.TokenIds, ids=st.lists(
         st.integers(0, 511), min_size=1, max_size=12))}),
-    st.fixed_dictionaries({"token_ids": st.builds(generate_pb2.TokenIds, ids=st.lists(u32, max_size=5))}),
+    st.fixed_dictionaries({"token_ids": st.builds(generate_pb2.TokenIds,
+                                                  ids=st.lists(u32, max_size=5))}),
     st.fixed_dictionaries({"prompt": st.just("")}), st.just({}))
 
 
@@ -153,7 +157,8 @@ def generate_pb(draw):
 
 
 tokenize_pb = st.one_of(
-    st.builds(lambda t, a: generate_pb2.TokenizeRequest(text=t, add_special_tokens=a), ptext, st.booleans()),
+    st.builds(lambda t, a: generate_pb2.TokenizeRequest(text=t, add_special_tokens=a), ptext,
+              st.booleans()),
     st.builds(lambda m: generate_pb2.TokenizeRequest(messages=m), chat_pb),
     st.just(generate_pb2.TokenizeRequest()))
 grpc_request = st.one_of(

@@ -1,6 +1,6 @@
 """Fuzz both public fronts of a real gateway process (python -m gateway, tiny dummy model's
-tokenizer) in front of the fake prefill / decode services (tests/gateway/fake_backends.py: a process of
-their own, so generation costs nothing): >= 1,000 hypothesis-generated requests
+tokenizer) in front of the fake prefill / decode services (tests/gateway/fake_backends.py: a
+process of their own, so generation costs nothing): >= 1,000 hypothesis-generated requests
 per front, no answer >= 500 (gRPC: only OK / INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED),
 no hang (each request has 10 s), no SSE error event of a server fault, nothing left reserved
 on the fake decode afterwards and the gateway still serving."""

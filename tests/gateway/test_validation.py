@@ -105,7 +105,8 @@ async def test_chat_fields_are_400_naming_them(rest, extra, param):
 ])
 async def test_hostile_json_is_400(stack, raw):
     async with _client(stack, max_body_bytes=1 << 20) as c:
-        r = await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        r = await c.post("/v1/completions", content=raw,
+                         headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
         chat = b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}]}'
@@ -291,8 +292,9 @@ async def test_grpc_and_rest_accept_the_same_roles(rest, grpc_stub):
     for role in ("system", "user", "assistant", "tool", "developer", "bot", "User", ""):
         r = await rest.post("/v1/chat/completions", json={
             **CHAT, "max_tokens": 2, "messages": [{"role": role, "content": "x"}]})
-        code, _ = await _status(stub, generate_pb2.GenerateRequest(max_tokens=2, messages=(
-            generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role=role, content="x")]))))
+        msgs = [generate_pb2.ChatMessage(role=role, content="x")]
+        code, _ = await _status(stub, generate_pb2.GenerateRequest(
+            max_tokens=2, messages=generate_pb2.ChatMessages(messages=msgs)))
         assert (r.status_code == 200) == (code == grpc.StatusCode.OK), (role, r.text, code)
         assert r.status_code in (200, 400)
 

@@ -23,6 +23,7 @@ MODEL = fs.MODEL
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMP = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 JSON = {"content-type": "application/json"}
+B = b'{"model": "dummy-tiny-llama", '
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +56,13 @@ REST_CASES = [  # (path, body bytes or JSON, headers, status, param)
     ("/v1/completions", {**COMP, "stop_token_ids": [-1]}, JSON, 400, "stop_token_ids"),
     ("/v1/completions", {**COMP, "stop_token_ids": [U32]}, JSON, 400, "stop_token_ids"),
     ("/v1/completions", {**COMP, "temperature": 1e308}, JSON, 400, "temperature"),
-    ("/v1/completions", b'{"model": "dummy-tiny-llama", "prompt": "x", "temperature": NaN}', JSON, 400, None),
-    ("/v1/completions", b'{"model": "dummy-tiny-llama", "prompt": "x", "top_p": Infinity}', JSON, 400, None),
-    ("/v1/completions", b'{"model": "dummy-tiny-llama", "prompt": "\\ud800"}', JSON, 400, None),
+    ("/v1/completions", B + b'"prompt": "x", "temperature": NaN}', JSON, 400, None),
+    ("/v1/completions", B + b'"prompt": "x", "top_p": Infinity}', JSON, 400, None),
+    ("/v1/completions", B + b'"prompt": "\\ud800"}', JSON, 400, None),
     ("/v1/completions", b"[" * 20000 + b"]" * 20000, JSON, 400, None),
-    ("/v1/completions", b'{"model": "dummy-tiny-llama", "prompt": "x"}', {"content-type": "text/plain"}, 415, None),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, JSON, 400, "messages[0].content"),
+    ("/v1/completions", B + b'"prompt": "x"}', {"content-type": "text/plain"}, 415, None),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, JSON, 400,
+     "messages[0].content"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "bot", "content": "x"}]}, JSON, 400,
      "messages[0].role"),
 ]
@@ -71,7 +73,8 @@ def test_hostile_rest_requests(stack):
         for path, body, headers, status, param in REST_CASES:
             kw = {"json": body} if isinstance(body, dict) else {"content": body, "headers": headers}
             r = c.post(path, **kw)
-            assert r.status_code == status, (path, body if isinstance(body, dict) else body[:80], r.text)
+            shown = body if isinstance(body, dict) else body[:80]
+            assert r.status_code == status, (path, shown, r.text)
             if param:
                 assert r.json()["error"]["param"] == param, r.text
         t0 = time.monotonic()
@@ -98,9 +101,11 @@ async def test_hostile_grpc_requests_and_duplicate_ids(stack):
 
         S = generate_pb2.SamplingParams
         for req, field in [
-            (generate_pb2.GenerateRequest(prompt="hi", max_tokens=4, sampling=S(repetition_penalty=float("nan"))),
+            (generate_pb2.GenerateRequest(prompt="hi", max_tokens=4,
+                                          sampling=S(repetition_penalty=float("nan"))),
              "sampling.repetition_penalty"),
-            (generate_pb2.GenerateRequest(prompt="hi", max_tokens=4, sampling=S(temperature=float("inf"))),
+            (generate_pb2.GenerateRequest(prompt="hi", max_tokens=4,
+                                          sampling=S(temperature=float("inf"))),
              "sampling.temperature"),
             (generate_pb2.GenerateRequest(max_tokens=4, messages=generate_pb2.ChatMessages(
                 messages=[generate_pb2.ChatMessage(role="bot", content="x")])), "messages[0].role"),
@@ -122,7 +127,8 @@ async def test_hostile_grpc_requests_and_duplicate_ids(stack):
         first = stub.Generate(generate_pb2.GenerateRequest(
             request_id="same-id", prompt="hello", max_tokens=60, ignore_eos=True), timeout=60)
         got = [await first.read()]
-        code, _ = await status(generate_pb2.GenerateRequest(request_id="same-id", prompt="x", max_tokens=2))
+        code, _ = await status(generate_pb2.GenerateRequest(request_id="same-id", prompt="x",
+                                                            max_tokens=2))
         assert code == grpc.StatusCode.ALREADY_EXISTS
         async with httpx.AsyncClient(base_url=stack.http_url, timeout=30) as c:
             r = await c.post("/v1/completions", json={**COMP, "request_id": "same-id"})
