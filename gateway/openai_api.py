@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import grpc
 
 from engine.sampling_params import GuidedJSON
-from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, json_type
+from gateway.schemas import (ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody,
+                             json_type)
 from gateway.types import GatewayError, GenChunk, GenRequest, invalid
 from gateway.validate import Limits, encode, parse, sampling_params
 
