@@ -34,9 +34,9 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _finite(lo: float, hi: float, *, gt: bool = False):
-    """An optional finite float in [lo, hi] ((lo, hi] with gt)."""
-    return Field(None, allow_inf_nan=False, le=hi, **({"gt": lo} if gt else {"ge": lo}))
+def _finite(lo: float, hi: float):
+    """An optional finite float in [lo, hi]."""
+    return Field(None, allow_inf_nan=False, ge=lo, le=hi)
 
 
 class Strict(BaseModel):
@@ -49,10 +49,11 @@ class SamplingFields(Strict):
     request_id: Optional[str] = Field(None, max_length=MAX_REQUEST_ID_CHARS)  # "": the gateway's
     max_tokens: Optional[int] = Field(None, ge=1, le=U32)
     temperature: Optional[float] = _finite(0.0, 100.0)
-    top_p: Optional[float] = _finite(0.0, 1.0, gt=True)
+    # > 0 as the services see it: they keep 6 decimals of a float32 (1e-30 arrives as 0)
+    top_p: Optional[float] = _finite(1e-6, 1.0)
     top_k: Optional[int] = Field(None, ge=-1, le=I32)
     min_p: Optional[float] = _finite(0.0, 1.0)
-    repetition_penalty: Optional[float] = _finite(0.0, 100.0, gt=True)
+    repetition_penalty: Optional[float] = _finite(1e-6, 100.0)
     presence_penalty: Optional[float] = _finite(-2.0, 2.0)
     frequency_penalty: Optional[float] = _finite(-2.0, 2.0)
     seed: Optional[int] = Field(None, ge=-I64 - 1, le=I64)

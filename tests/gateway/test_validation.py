@@ -63,6 +63,7 @@ async def grpc_stub(stack):
     ({"stop_token_ids": [600]}, "stop_token_ids"),  # beyond the vocabulary (512)
     ({"temperature": 1e308}, "temperature"), ({"temperature": 101}, "temperature"),
     ({"top_k": -2}, "top_k"), ({"top_k": 1 << 31}, "top_k"), ({"top_p": 0}, "top_p"),
+    ({"top_p": 1e-30}, "top_p"), ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"priority": 1 << 31}, "priority"),
