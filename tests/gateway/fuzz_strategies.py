@@ -43,9 +43,11 @@ def body(draw, required: dict, optional: dict):
     return d
 
 
-SAMPLING = {
-    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50),
-    "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0.5, 2),
+SAMPLING = {  # typical values and the ends of each field's valid range
+    "temperature": st.floats(0, 2) | st.sampled_from([1e-300, 100]),
+    "top_p": st.floats(0.01, 1) | st.just(1e-6),
+    "top_k": st.integers(-1, 50) | st.just((1 << 31) - 1),
+    "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0.5, 2) | st.sampled_from([1e-6, 100]),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "seed": st.integers(-(1 << 63), (1 << 63) - 1), "min_tokens": st.integers(0, 1),
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3) | st.text(min_size=1, max_size=3),
@@ -105,7 +107,7 @@ ptext = st.text(max_size=40)  # protobuf strings are valid UTF-8 (no surrogates)
 # valid values / hostile ones of the wire's type, per field
 SAMPLING_PB = {
     "temperature": st.floats(0, 2, width=32), "top_p": st.floats(0.125, 1, width=32),
-    "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1, width=32),
+    "top_k": st.integers(-1, 50) | st.just((1 << 31) - 1), "min_p": st.floats(0, 1, width=32),
     "repetition_penalty": st.floats(0.5, 2, width=32),
     "presence_penalty": st.floats(-2, 2, width=32), "frequency_penalty": st.floats(-2, 2, width=32),
     "seed": i64, "logprobs": st.integers(0, 5), "min_tokens": st.integers(0, 1)}
