@@ -1,9 +1,12 @@
 """Soak: N minutes of open-loop load through the gateway, watching for what only time shows.
 
     python -m bench.soak --minutes 30 --rate 2 [--input-len uniform:16,256 --output-len fixed:32]
+    python -m bench.soak --minutes 30 --load 0.8     # 80% of the capacity measured first
         [-- <splitserve up flags>]                 # starts `splitserve up` itself (default model)
     python -m bench.soak --url http://127.0.0.1:8000 --up-pid PID ...   # an `up` already running
 
+Without --rate, capacity is measured first: --capacity-requests requests closed-loop at
+--capacity-concurrency (completed / s), and the rate is --load times that.
 Requests (bench/serve_trace.py, cycled) are sent on Poisson arrivals at --rate through REST
 completions SSE (bench/serve_client.py). Every --sample-s: completions, rejections (429) and
 errors in the window, the RSS of each of up's children (psutil) and the KV usage of each
@@ -26,7 +29,7 @@ import time
 
 from bench.common import write_result
 from bench.pd_clients import scrape_metrics, stop_process, wait_up
-from bench.serve_client import ClientConfig, RestClient
+from bench.serve_client import ClientConfig, RestClient, run_closed
 from bench.serve_trace import TraceSpec, build_trace
 
 DEFAULT_UP = ["--model", "default", "--device", "cpu", "--http-port", "0", "--grpc-port", "0",
@@ -70,11 +73,23 @@ def kv_usage(url: str) -> dict[str, float]:
     return {re.search(r'role="(\w+)"', k).group(1): v for k, v in m.items()}
 
 
-async def soak(url: str, up_pid: int | None, rate: float, minutes: float, spec: TraceSpec,
-               sample_s: float, grace_s: float) -> dict:
+async def capacity_rps(client, reqs, concurrency: int) -> float:
+    """Completed requests / s of a closed loop at `concurrency` (what the server sustains)."""
+    outs, wall = await run_closed(client, reqs, concurrency, "capacity")
+    return sum(o.status == "ok" for o in outs) / wall
+
+
+async def soak(url: str, up_pid: int | None, rate: float | None, minutes: float, spec: TraceSpec,
+               sample_s: float, grace_s: float, load: float = 0.8, cap_requests: int = 32,
+               cap_concurrency: int = 8) -> dict:
     client = RestClient(ClientConfig(api="completions", url=url, send_slo=False, timeout_s=3600))
     client.cfg.model = await client.model()
     reqs = build_trace(spec)
+    capacity = None
+    if rate is None:
+        capacity = await capacity_rps(client, reqs[:cap_requests], cap_concurrency)
+        rate = load * capacity
+        print(f"soak: capacity {capacity:.3f} req/s; load {rate:.3f} req/s", file=sys.stderr)
     rng = random.Random(spec.seed)
     t0 = time.monotonic()
     end = t0 + minutes * 60
@@ -124,7 +139,8 @@ async def soak(url: str, up_pid: int | None, rate: float, minutes: float, spec: 
         await asyncio.sleep(0.5)
     smp.cancel()
     await client.close()
-    return summarize(samples, done, sent, lost, t_load, kv_end, rate, minutes)
+    return {**summarize(samples, done, sent, lost, t_load, kv_end, rate, minutes),
+            "capacity_rps": capacity}
 
 
 def summarize(samples, done, sent, lost, t_load, kv_end, rate, minutes) -> dict:
@@ -190,7 +206,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--rate", type=float, required=True, help="requests / s (Poisson arrivals)")
+    p.add_argument("--rate", type=float, default=None, help="requests / s (Poisson arrivals)")
+    p.add_argument("--load", type=float, default=0.8, help="without --rate: this x measured capacity")
+    p.add_argument("--capacity-requests", type=int, default=32)
+    p.add_argument("--capacity-concurrency", type=int, default=8)
     p.add_argument("--input-len", default="uniform:16,256")
     p.add_argument("--output-len", default="fixed:32")
     p.add_argument("--num-prompts", type=int, default=200, help="distinct requests, cycled")
@@ -213,14 +232,15 @@ def main(argv=None) -> int:
         up_pid = proc.pid
         print(f"soak: `splitserve up` at {url} (log {log})", file=sys.stderr)
     try:
-        res = asyncio.run(soak(url, up_pid, a.rate, a.minutes, spec, a.sample_s, a.grace_s))
+        res = asyncio.run(soak(url, up_pid, a.rate, a.minutes, spec, a.sample_s, a.grace_s,
+                               a.load, a.capacity_requests, a.capacity_concurrency))
     finally:
         if proc is not None:
             stop_process(proc, 60)
     cfg = {**vars(a), "up_args": up_args or (DEFAULT_UP if a.url is None else None)}
     path = write_result("soak", cfg, res)
     res["plot"] = plot(res, path[:-5] + ".png",
-                       f"soak: {a.rate:g} req/s for {a.minutes:g} min, {res['completed']} ok, "
+                       f"soak: {res['rate_rps']:.3g} req/s for {a.minutes:g} min, {res['completed']} ok, "
                        f"{res['errors']} errors, {res['lost']} lost")
     write_result_plot(path, res["plot"])
     print(f"sent {res['sent']}  completed {res['completed']}  rejected {res['rejected']}  "

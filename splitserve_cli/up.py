@@ -11,7 +11,8 @@ Topology (`--topology`, splitserve_cli/up_topology.py): on a machine without a G
 colocates (every prompt prefilled in the decode engine, which gets every core); `split` keeps
 prefill and decode each on their own work.
 Ctrl-C / SIGTERM -> graceful drain: SIGTERM to the gateway (running requests finish for up to
---drain-timeout-s), then to the services; SIGKILL to any still alive after that.
+--drain-timeout-s), then to the services; SIGKILL to any still alive after that. A second
+Ctrl-C cuts the drains short.
 A child that dies once all are up is started again on its ports, with backoff
 (splitserve_cli/supervise.py); past --max-restarts deaths in a row (or one, with 0), or a child
 that fails before it is first ready, stops the others and `up` exits non-zero with one line
@@ -350,6 +351,10 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
     stop = {"sig": None}
 
     def on_signal(signum, _frame):
+        if stop["sig"] is not None and sup is not None:  # a second Ctrl-C cuts the drains short
+            for c in sup.children:
+                if c.alive():
+                    c.proc.send_signal(signal.SIGTERM)
         stop["sig"] = signum
 
     signal.signal(signal.SIGINT, on_signal)
