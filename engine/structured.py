@@ -5,7 +5,7 @@
     state = backend.state(spec)        # one request's matcher (Request.grammar)
     state.accept(token_id)             # every token the request outputs, in order
     state.fill(bitmask, row)           # host int32 bitmask of the tokens allowed next
-    apply_bitmask(logits, rows, bits)  # in the sampler: disallowed -> -inf, tensor ops only
+    apply_bitmask(logits, bits)        # in the sampler: disallowed -> -inf, tensor ops only
 
 The grammar state is rebuilt from the spec and the tokens so far wherever the request lands
 (prefill samples the first token, decode accepts it and goes on), so no matcher crosses a
@@ -45,11 +45,10 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] with the disallowed tokens of `rows` ([G] long) at -inf (a new tensor)."""
-    allowed = unpack_bitmask(bits, logits.shape[-1])
-    sub = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, sub)
+def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with the tokens whose bit is 0 in bits [N, ceil(V/32)] at -inf (a new
+    tensor). Rows without a grammar carry all ones: one fixed-shape pass, no gather/scatter."""
+    return logits.masked_fill(~unpack_bitmask(bits, logits.shape[-1]), float("-inf"))
 
 
 class GrammarState:

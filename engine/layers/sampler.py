@@ -94,8 +94,8 @@ class Sampler:
         if batch.ban_rows is not None:
             x = x.index_put((batch.ban_rows, batch.ban_tokens),
                             torch.tensor(float("-inf"), device=x.device))
-        if batch.grammar_rows is not None:
-            x = apply_bitmask(x, batch.grammar_rows, batch.grammar_bitmask)
+        if batch.grammar_bitmask is not None:
+            x = apply_bitmask(x, batch.grammar_bitmask)
         x = apply_penalties(x, batch)
         greedy_tok = x.argmax(dim=-1)
         if batch.all_greedy:

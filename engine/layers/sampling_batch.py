@@ -73,10 +73,11 @@ class SamplingBatch:
     ban_tokens: torch.Tensor | None
     logprobs: list[int | None]  # per row: None or N (chosen + top-N)
     pen_host: tuple[int, ...] = ()  # pen_rows on the host
-    # constrained decoding: rows [G] long and their allowed tokens, int32 [G, ceil(V/32)] bits
-    # (engine/structured.py), filled on the host from each request's grammar state
-    grammar_rows: torch.Tensor | None = None
+    # constrained decoding: each row's allowed tokens, int32 [N, ceil(V/32)] bits (all ones on
+    # rows without a grammar; engine/structured.py), filled on the host from the grammar states;
+    # None when no row has one. grammar_host: those rows, on the host
     grammar_bitmask: torch.Tensor | None = None
+    grammar_host: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -87,14 +88,14 @@ class SamplingBatch:
         """Every row takes the argmax of the raw logits (no bans, no penalties): the sampler's
         tokens are exactly logits.argmax(-1), which a decode graph computes itself."""
         return (self.all_greedy and self.ban_rows is None and self.pen_rows is None
-                and self.grammar_rows is None)
+                and self.grammar_bitmask is None)
 
     @property
     def step_dependent(self) -> bool:
         """Whether the batch holds state of the outputs so far (seeded rows' noise, a
         min_tokens ban still on, penalty counts): then the next step needs a new one."""
         return (bool(self.seeded) or self.ban_rows is not None or self.pen_rows is not None
-                or self.grammar_rows is not None)
+                or self.grammar_bitmask is not None)
 
     def count_pending(self, src: list[int | None], tokens: torch.Tensor) -> None:
         """Count tokens the rows' requests produced that are still on the device (an
@@ -183,20 +184,19 @@ class SamplingBatch:
             frequency_penalty=freq, seen_mask=seen, output_counts=counts,
             ban_rows=ban_rows, ban_tokens=ban_tokens,
             logprobs=[p.logprobs for p in ps], pen_host=tuple(pen),
-            grammar_rows=g_rows, grammar_bitmask=g_bits)
+            grammar_bitmask=g_bits, grammar_host=g_rows)
 
 
 def _grammar_masks(reqs: list[Request], V: int, dev: torch.device, ahead: list[int] | None):
-    """(rows [G], bitmask [G, W]) on dev for the rows with a live grammar, or (None, None)."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated]
+    """(rows with a live grammar, bitmask [N, W] on dev), or ((), None) when there are none."""
+    rows = tuple(i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated)
     if not rows:
-        return None, None
+        return (), None
     if ahead and any(ahead[i] for i in rows):
         # the mask depends on every token so far: such rows never run blind (engine/overlap.py)
         raise RuntimeError("a constrained request's previous token is not on the host")
     cuda = dev.type == "cuda"
-    bits = torch.full((len(rows), (V + 31) // 32), -1, dtype=torch.int32, pin_memory=cuda)
-    for j, i in enumerate(rows):
-        reqs[i].grammar.fill(bits, j)
-    return (torch.tensor(rows, dtype=torch.long, device=dev),
-            bits.to(dev, non_blocking=cuda))
+    bits = torch.full((len(reqs), (V + 31) // 32), -1, dtype=torch.int32, pin_memory=cuda)
+    for i in rows:
+        reqs[i].grammar.fill(bits, i)
+    return rows, bits.to(dev, non_blocking=cuda)

@@ -79,7 +79,8 @@ def test_mask_equals_xgrammar_along_a_valid_output(tokenizer, backend):
         state.fill(ours, 0)
         ref.fill_next_token_bitmask(theirs, 0)
         assert torch.equal(ours, theirs)
-        got = apply_bitmask(logits, torch.tensor([1]), ours)
+        bits = torch.cat([torch.full_like(ours, -1), ours])  # row 0: no grammar
+        got = apply_bitmask(logits, bits)
         want = logits[1:].clone()
         xgr.apply_token_bitmask_inplace(want, theirs)
         assert torch.equal(got[1], want[0]) and torch.equal(got[0], logits[0])
@@ -97,15 +98,16 @@ def test_sampler_with_and_without_masks(tokenizer, backend):
     logits = torch.randn(3, V)
     plain = [Request(f"p{i}", [1], SamplingParams(temperature=0.0)) for i in range(3)]
     b = _batch(plain)
-    assert b.grammar_rows is None and b.greedy_only
+    assert b.grammar_bitmask is None and b.greedy_only
     assert Sampler()(logits, b).token_ids == logits.argmax(-1).tolist()
     # row 1 constrained: greedy picks its best allowed token; rows 0 and 2 are untouched
     reqs = list(plain)
     reqs[1] = Request("g", [1], SamplingParams(temperature=0.0, guided=SPEC))
     reqs[1].grammar = backend.state(SPEC)
     b = _batch(reqs)
-    assert b.grammar_rows.tolist() == [1] and not b.greedy_only and b.step_dependent
-    allowed = unpack_bitmask(b.grammar_bitmask, V)[0]
+    assert b.grammar_host == (1,) and not b.greedy_only and b.step_dependent
+    allowed = unpack_bitmask(b.grammar_bitmask, V)[1]
+    assert unpack_bitmask(b.grammar_bitmask, V)[[0, 2]].all()  # free rows: all allowed
     out = Sampler()(logits, b).token_ids
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
     assert out[1] == logits[1].masked_fill(~allowed, float("-inf")).argmax()
