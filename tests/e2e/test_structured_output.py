@@ -1,7 +1,8 @@
-"""response_format through a real stack (`splitserve up`, SmolLM2 on CPU): json_schema gives
-JSON valid against the schema for 20 concurrent chat prompts, json_object gives a parseable JSON
-object on /v1/completions, the gRPC API's GuidedDecoding does the same, and a schema the grammar
-library cannot compile is a 400 naming response_format.json_schema."""
+"""response_format through a real stack (`splitserve up --topology split`, SmolLM2 on CPU: prefill
+samples the first token under the mask, decode the rest): json_schema gives JSON valid against
+the schema for 20 concurrent chat prompts, json_object a JSON object on /v1/completions, the gRPC
+API's GuidedDecoding the same, and a schema the grammar library cannot compile is a 400 naming
+response_format.json_schema."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 MODEL = "SmolLM2-135M-Instruct"
-ARGS = [*UP_PORTS, "--model", "default", "--dtype", "fp32", "--device", "cpu",
+# split: prefill samples the first token under the mask, decode rebuilds the grammar and goes on
+ARGS = [*UP_PORTS, "--topology", "split", "--model", "default", "--dtype", "fp32", "--device", "cpu",
         "--max-model-len", "512", "--num-blocks", "160", "--enforce-eager"]
 # small on purpose: ~12 tokens an answer keeps 20 concurrent requests short on 2 CPU cores
 SCHEMA = {"type": "object",
