@@ -173,7 +173,7 @@ async def test_frozen_decode_fails_fast_and_resumes(up):
     dec = pids(up)["decode"]
     async with grpc.aio.insecure_channel(up.grpc_address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        [call] = await streams_started(stub, 1, 16)
+        [call] = await streams_started(stub, 1, 24)
         os.kill(dec, signal.SIGSTOP)
         try:
             degraded_s = await wait_health(up, 503, 5.0)
@@ -191,7 +191,7 @@ async def test_frozen_decode_fails_fast_and_resumes(up):
         finally:
             os.kill(dec, signal.SIGCONT)
         got = await asyncio.wait_for(call, 30)  # the stream in flight resumes where it stopped
-    assert got == (16, "FINISH_REASON_LENGTH") and degraded_s < 5
+    assert got == (24, "FINISH_REASON_LENGTH") and degraded_s < 5
     await wait_health(up, 200, 10)
 
 
@@ -239,7 +239,8 @@ async def test_sigterm_drains_streams_then_exits(up):
 
     async with grpc.aio.insecure_channel(up.grpc_address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        calls = await streams_started(stub, 2, 16)
+        # NOTE: long enough to outlast the checks below (the gateway exits once they end)
+        calls = await streams_started(stub, 2, 32)
         t0 = time.monotonic()
         up.popen.send_signal(signal.SIGTERM)
         hs = health_pb2_grpc.HealthStub(ch)
@@ -252,6 +253,6 @@ async def test_sigterm_drains_streams_then_exits(up):
             assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
             assert (await health(up))[1]["status"] == "draining"
         got = await asyncio.gather(*calls)
-    assert got == [(16, "FINISH_REASON_LENGTH")] * 2  # every stream in flight finished
+    assert got == [(32, "FINISH_REASON_LENGTH")] * 2  # every stream in flight finished
     rc = await asyncio.to_thread(up.popen.wait, DRAIN_S + 10)
     assert rc == 0 and time.monotonic() - t0 < DRAIN_S, up.log()[-3000:]
