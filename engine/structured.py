@@ -27,6 +27,7 @@ log = logging.getLogger("splitserve.engine.structured")
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: " (and may say "Check failed")
 _NOISE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+_CACHE_BYTES = 64 << 20  # compiled grammars kept (LRU)
 # json_object: any object; additionalProperties spelled out so strict mode cannot close it
 _ANY_OBJECT = json.dumps({"type": "object", "additionalProperties": True})
 
@@ -106,7 +107,9 @@ class GrammarBackend:
                 hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.tk)
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     hf, vocab_size=self._vocab_size, stop_token_ids=self._stop or None)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                # bounded: every distinct client schema is cached
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
+                                                          cache_limit_bytes=_CACHE_BYTES)
                 self._xgr = xgrammar
             return self._compiler
 

@@ -57,6 +57,16 @@ async def test_json_schema_20_concurrent_prompts(up):
     print(f"20 json_schema requests in {dt:.1f} s")
 
 
+async def test_json_schema_streamed(up):
+    c = openai.AsyncOpenAI(base_url=up.rest + "/v1", api_key="none", max_retries=0, timeout=120)
+    stream = await c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Madrid as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        max_tokens=32, temperature=0.0, stream=True)
+    text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
 async def test_json_object_on_completions(up):
     c = openai.AsyncOpenAI(base_url=up.rest + "/v1", api_key="none", max_retries=0, timeout=120)
     # the client's completions call has no response_format argument: it rides in the body
