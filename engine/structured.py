@@ -56,9 +56,11 @@ def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 class GrammarState:
     """One request's place in its grammar; advanced by each token it outputs."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, stop_only: torch.Tensor):
         self._m = matcher
+        self._stop_only = stop_only  # [1, W] bitmask of the stop tokens alone
         self.rejected: int | None = None  # a token the grammar refused (the mask should prevent it)
+        self.complete = False  # nothing but a stop token may follow
 
     def accept(self, token_id: int) -> bool:
         if self.rejected is not None or self._m.is_terminated():
@@ -67,12 +69,17 @@ class GrammarState:
             self.rejected = int(token_id)
             log.warning("grammar refused token %d; the request ends here", token_id)
             return False
+        if self._m.is_completed():
+            # end the output here rather than spend a step sampling the only token left
+            bits = torch.empty_like(self._stop_only)
+            self._m.fill_next_token_bitmask(bits, 0)
+            self.complete = torch.equal(bits, self._stop_only)
         return True
 
     @property
     def terminated(self) -> bool:
-        """The output is complete (the grammar took its stop token) or cannot go on."""
-        return self.rejected is not None or self._m.is_terminated()
+        """The output is complete (whole, or the grammar took its stop token) or cannot go on."""
+        return self.rejected is not None or self.complete or self._m.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -91,6 +98,7 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._compiler = None
         self._xgr = None
+        self._stop_only: torch.Tensor | None = None
 
     def _get(self):
         with self._lock:
@@ -111,6 +119,11 @@ class GrammarBackend:
                 # bounded: every distinct client schema is cached
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
                                                           cache_limit_bytes=_CACHE_BYTES)
+                self._stop_only = torch.zeros((1, bitmask_width(self._vocab_size)), dtype=torch.int32)
+                for t in info.stop_token_ids:
+                    if 0 <= t < self._vocab_size:  # int32 words: bit 31 is the sign bit
+                        w = int(self._stop_only[0, t // 32]) | (1 << (t % 32))
+                        self._stop_only[0, t // 32] = w - (1 << 32) if w >= 1 << 31 else w
                 self._xgr = xgrammar
             return self._compiler
 
@@ -127,7 +140,7 @@ class GrammarBackend:
 
     def state(self, spec: GuidedJSON) -> GrammarState:
         compiled = self.compile(spec)  # NOTE: first: it imports xgrammar
-        return GrammarState(self._xgr.GrammarMatcher(compiled))
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self._stop_only)
 
     def new_bitmask(self, rows: int, pin: bool = False) -> torch.Tensor:
         """A host int32 [rows, ceil(V/32)] bitmask, every token allowed."""
