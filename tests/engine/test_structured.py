@@ -207,3 +207,16 @@ def test_missing_library_is_invalid_request(monkeypatch, tokenizer):
     fresh = GrammarBackend(tokenizer, V, tokenizer.eos_token_ids)
     with pytest.raises(InvalidRequestError, match=r"splitserve\[structured\]"):
         fresh.compile(GuidedJSON())
+
+
+def test_guided_crosses_the_wire():
+    """RequestParams (gateway -> prefill -> decode) carry the spec; an empty GuidedDecoding is
+    INVALID_ARGUMENT."""
+    from common.convert import params_from_pb, params_to_pb, sampling_kwargs
+    from protos import generate_pb2
+
+    for g in (SPEC, GuidedJSON()):
+        assert params_from_pb(params_to_pb(SamplingParams(guided=g))).guided == g
+    assert params_from_pb(params_to_pb(SamplingParams())).guided is None
+    with pytest.raises(InvalidRequestError, match="sampling.guided"):
+        sampling_kwargs(generate_pb2.SamplingParams(guided=generate_pb2.GuidedDecoding()))
