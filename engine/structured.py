@@ -113,9 +113,13 @@ class GrammarBackend:
                 if self._tokenizer is None:
                     raise InvalidRequestError("response_format needs the model's tokenizer; "
                                               "this model has none")
-                hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.tk)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    hf, vocab_size=self._vocab_size, stop_token_ids=self._stop or None)
+                try:
+                    hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.tk)
+                    info = xgrammar.TokenizerInfo.from_huggingface(
+                        hf, vocab_size=self._vocab_size, stop_token_ids=self._stop or None)
+                except Exception as e:  # noqa: BLE001 - a tokenizer the library cannot index
+                    raise InvalidRequestError(f"response_format is not available for this "
+                                              f"model's tokenizer: {e}") from None
                 # bounded: every distinct client schema is cached
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
                                                           cache_limit_bytes=_CACHE_BYTES)
