@@ -1,6 +1,7 @@
 """nixl backend, prefill side: layers are copied into a registered staging buffer and
-announced on the PairSession stream with their address; decode READs them, and each READ's
-notification frees its range (nixl.py: the design, the decode side and the hazards).
+announced on the PairSession stream with their address; decode READs them. While the buffer
+is more than half full, a layer's READ carries a notification that frees its range early (nixl.py:
+the design, the decode side and the hazards).
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ class _Staging:
             except (asyncio.TimeoutError, TimeoutError):
                 pass
             pause = min(pause * 2, 1e-3)
+
+    def used_bytes(self) -> int:
+        return sum(self._used.values())
 
     def free(self, off: int) -> None:
         if self._used.pop(off, None) is not None:
@@ -126,6 +130,9 @@ class NixlPairClient(PairClient):
                 h = self.header(tx, li, tensor, ks, vs)
                 h.remote_addr = st.buf.data_ptr() + off
                 h.remote_device = device_id(st.buf.device)
+                # NOTE: a READ with a notification completes only once the notification is
+                # delivered (tcp: 0.1-30 ms on a loaded host), so only ask while staging fills
+                h.notify_read = st.used_bytes() > st.size // 2
                 self._seq += 1
                 self.send_msg(kvtransfer_pb2.PairMsg(layer=h))
                 fut.set_result(nbytes)

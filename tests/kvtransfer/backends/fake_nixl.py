@@ -20,6 +20,7 @@ class FakeAgent:
         self.released = 0
         self.hold = hold                 # READs stay "PROC" until this is set
         self.notifs: dict[str, list[bytes]] = {}  # from peers' finished READs, until fetched
+        self.notified = 0                # READs of ours that carried a notification
         FakeAgent.agents[name] = self
 
     def get_agent_metadata(self) -> bytes:
@@ -62,6 +63,7 @@ class FakeAgent:
             h["done"] = True
             self.reads.append(len(h["local"]))
             if h["notif"]:
+                self.notified += 1
                 remote.notifs.setdefault(self.name, []).append(bytes(h["notif"]))
         return "DONE"
 

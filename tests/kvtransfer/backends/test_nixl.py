@@ -116,6 +116,7 @@ async def test_pull_flow_lands_byte_exact_in_reserved_blocks(dtype):
         # per layer: K and V halves, blocks 9-11 merged -> 2 descriptors per half
         assert rig.dec_agent.reads == [4] * layout.num_layers
         assert rig.dec_agent.released == layout.num_layers
+        assert rig.dec_agent.notified == 0  # staging never half full: no READ waits on a notification
         if dtype == "fp8_e4m3":
             assert rig.sink.scales["r1"] == (pytest.approx(kv.k_scales), pytest.approx(kv.v_scales))
         # staging ranges were freed with the ack: a transfer as large as the pool fits again
@@ -125,7 +126,8 @@ async def test_pull_flow_lands_byte_exact_in_reserved_blocks(dtype):
 
 
 async def test_a_request_larger_than_staging_streams_through_it():
-    """Each READ's notification frees its layer's range: 3 layers of 20 KiB through 32 KiB."""
+    """Once staging is half full, READs notify and free their ranges: 3 layers of 20 KiB
+    through 32 KiB."""
     layout = _layout()
     rig = await _Rig(layout, staging_bytes=32 << 10).start()
     try:
@@ -138,6 +140,7 @@ async def test_a_request_larger_than_staging_streams_through_it():
         for i, t in enumerate(kv.layers):
             assert rig.sink.read("r1", i, 20) == t.view(torch.uint8).numpy().tobytes(), f"layer {i}"
         assert not rig.sender.staging._used and not rig.sender.ranges
+        assert rig.dec_agent.notified >= 1
     finally:
         await rig.stop()
 
