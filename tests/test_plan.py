@@ -119,6 +119,21 @@ def test_fit_to_the_measured_engine_rows(shape):
         assert cal.step_ms(b, c) == pytest.approx(ms, rel=0.25), f"decode b={b} ctx={c}"
 
 
+PD_SYSTEM = {f.name: f for f in RESULTS.glob("pd_system-*.json")}
+
+
+@pytest.mark.skipif(not ENGINE_GPU or "pd_system-20261204T190932.json" not in PD_SYSTEM,
+                    reason="the H200 engine_gpu / pd_system results are not in bench/results")
+def test_prefill_fit_predicts_another_benchmarks_ttft():
+    """Fitted on engine_gpu's prefill rows, checked on pd_system's engine-alone TTFT of single
+    8B requests (a different benchmark, same GPU): within 10% from 512 tokens (128: 17% low)."""
+    pre, dec = points_from_bench(ENGINE_GPU[-1], "llama-3.1-8b")
+    cal = calibrate(pre, dec)
+    eng = json.loads(PD_SYSTEM["pd_system-20261204T190932.json"].read_text())["results"]["engine"]
+    for n in (512, 2048, 8192):
+        assert cal.prefill_ms(n) == pytest.approx(eng[f"ttft_{n}"]["ms_median"], rel=0.1), n
+
+
 # ---- the command ------------------------------------------------------------------------
 ARGS = ["plan", "--rate", "20", "--input-len", "2048", "--output-len", "256", "--ttft-ms", "500",
         "--tpot-ms", "20", "--prefill-points", "128:6,512:14,2048:55,4096:114",
