@@ -67,6 +67,8 @@ class ServiceMetrics:
                              registry=r("request"))
         self.waiting = Gauge("splitserve_num_requests_waiting", "Requests waiting now",
                              registry=r("request"))
+        self.restarts = Gauge("splitserve_process_restarts", "Times `splitserve up` restarted this "
+                              "service after it died (SPLITSERVE_RESTARTS)", registry=r("request"))
         self.ttft = Histogram("splitserve_time_to_first_token_seconds",
                               "Time from request arrival to its first output token", buckets=_SLOW,
                               registry=r("latency"))

@@ -15,6 +15,7 @@ from typing import Callable
 
 from common import telemetry
 from common.drain import DrainGate, wait_drained
+from common.envs import env_int
 from common.grpc_util import (add_health_and_reflection, bind, create_server, freeze_heap, set_serving,
                               wait_for_signal)
 from common.metrics import get_metrics
@@ -51,6 +52,7 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     NOT_SERVING and new work refused meanwhile: common/drain.py)."""
     await engine.start()
     metrics = get_metrics(service, engine.info()["model"])
+    metrics.restarts.set(env_int("SPLITSERVE_RESTARTS", 0))  # set by `up` when it restarts us
     auth = getattr(args, "internal_auth", None)  # common.auth.InternalAuth (service_main)
     gate = DrainGate(service)
     server = create_server(auth, [gate])

@@ -9,6 +9,7 @@ import sys
 import time
 
 from common import telemetry
+from common.envs import env_int
 from common.log import setup_logging
 from common.metrics import get_metrics
 from gateway.config import GatewayConfig, add_args, config_from_args
@@ -49,6 +50,7 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
             core_ref[0].queue.notify()
 
     metrics = get_metrics("gateway", meta["name"])
+    metrics.restarts.set(env_int("SPLITSERVE_RESTARTS", 0))  # set by `up` when it restarts us
     prefill = ReplicaPool("prefill", list(cfg.prefill), prefill_pb2_grpc.PrefillStub, on_update, metrics,
                           auth=cfg.internal_auth)
     decode = ReplicaPool("decode", list(cfg.decode), decode_pb2_grpc.DecodeStub, on_update, metrics,

@@ -1,7 +1,8 @@
 """`splitserve up`'s supervision of its three children once they are up: a child that dies is
 started again on the ports it had (so the gateway's channels and the tickets' addresses stay
 valid), after a backoff that doubles while it keeps dying (1 s .. 30 s) and resets once it has
-stayed up a minute; each restart is one log line with its counter. A child that dies more than
+stayed up a minute; each restart is one log line with its counter (and the child's
+splitserve_process_restarts metric). A child that dies more than
 `max_restarts` times in a row (0: the first time) stops everything, as does a signal (graceful:
 the gateway drains first, then the services).
 """
@@ -67,8 +68,9 @@ class Slot:
 class Supervisor:
     def __init__(self, children: list, ready: dict[str, list[str]], spawn: Callable, *,
                  max_restarts: int, drain_timeout_s: float):
-        """children: up's Child objects (started, ready); spawn(name, argv, ready_file) -> a new
-        Child; max_restarts < 0: no limit."""
+        """children: up's Child objects (started, ready); spawn(name, argv, ready_file, restarts)
+        -> a new Child (restarts: its count so far, SPLITSERVE_RESTARTS in its environment);
+        max_restarts < 0: no limit."""
         self.slots = {c.name: Slot(c, pinned_argv(c.name, c.argv, ready[c.name])) for c in children}
         self.spawn = spawn
         self.max_restarts = max_restarts
@@ -115,7 +117,7 @@ class Supervisor:
             os.unlink(c.ready_file)
         except FileNotFoundError:
             pass
-        s.child = self.spawn(name, s.argv, c.ready_file)
+        s.child = self.spawn(name, s.argv, c.ready_file, s.restarts)
         s.started, s.starting = time.monotonic(), True
         return None
 

@@ -381,7 +381,10 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
         gport, hport = ready["gateway"][0], ready["gateway"][1]
         print(banner(a, engine_args, backend, gport, hport, pport, dport,
                      (ready["prefill"][1], ready["decode"][1])), flush=True)
-        sup = Supervisor(children, ready, lambda name, argv, rf: Child(name, argv, rf, env),
+        def respawn(name: str, argv: list[str], ready_file: str, restarts: int) -> Child:
+            return Child(name, argv, ready_file, {**env, "SPLITSERVE_RESTARTS": str(restarts)})
+
+        sup = Supervisor(children, ready, respawn,
                          max_restarts=a.max_restarts, drain_timeout_s=a.drain_timeout_s)
         failure = sup.run(stop)
         return 1 if failure else 0

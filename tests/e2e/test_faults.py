@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 import grpc
 import httpx
@@ -213,6 +214,9 @@ async def test_killed_decode_ends_its_streams_and_comes_back(up):
     after = pids(up)
     assert after["gateway"] == before["gateway"] and after["prefill"] == before["prefill"]
     assert after["decode"] != before["decode"] and "decode died" in up.log()
+    metrics = re.search(r"decode (http://\S+/metrics)", up.log()).group(1)  # same port as before
+    text = urllib.request.urlopen(metrics, timeout=5).read().decode()
+    assert re.search(r"^splitserve_process_restarts(\{[^}]*\})? 1\.0$", text, re.M), text[:2000]
     print(f"decode killed: stream ended in {ended_s:.2f} s, served again after {back_s:.1f} s")
 
 

@@ -40,7 +40,7 @@ class _Child:
 
 
 def _sup(max_restarts, spawned):
-    def spawn(name, argv, rf):
+    def spawn(name, argv, rf, restarts):
         c = _Child(name, argv, rf, alive=False)  # every restart dies again at once
         spawned.append(c)
         return c
