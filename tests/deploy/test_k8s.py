@@ -135,3 +135,34 @@ def test_every_service_reads_the_internal_secret_from_the_secret():
         ref = env["SPLITSERVE_INTERNAL_SECRET"]["valueFrom"]["secretKeyRef"]
         assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
         assert _by_kind(kind)[name]["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"]
+
+
+def _render() -> list[dict]:
+    """What `kubectl kustomize deploy/k8s` gives for the fields the kustomization uses."""
+    import copy
+
+    (k,) = _docs("kustomization.yaml")
+    extra = set(k) - {"apiVersion", "kind", "namespace", "labels", "resources", "images"}
+    assert not extra, f"the test's render does not apply {extra}: extend _render"
+    images = {i["name"]: f"{i.get('newName', i['name'])}:{i['newTag']}" for i in k["images"]}
+    labels = {n: v for entry in k["labels"] for n, v in entry["pairs"].items()}
+    out = []
+    for f in k["resources"]:
+        for d in _docs(f):
+            d = copy.deepcopy(d)
+            if d["kind"] != "Namespace":
+                d["metadata"]["namespace"] = k["namespace"]
+            d["metadata"].setdefault("labels", {}).update(labels)  # no includeSelectors: metadata only
+            for c in _pod_spec(d).get("containers", []):
+                c["image"] = images.get(c["image"], c["image"])
+            out.append(d)
+    return out
+
+
+def test_rendered_base_validates_in_one_namespace():
+    docs = _render()
+    for d in docs:
+        kv.validate(d, K8S_VERSION, strict=True)
+    (ns,) = [d for d in docs if d["kind"] == "Namespace"]
+    assert {d["metadata"]["namespace"] for d in docs if d is not ns} == {ns["metadata"]["name"]}
+    assert all(":" in c["image"] for d in docs for c in _pod_spec(d).get("containers", []))
