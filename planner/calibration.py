@@ -27,6 +27,7 @@ class Calibration:
     kv_gbps: float = 0.0
     source: str = "flags"
     points: dict = field(default_factory=dict, compare=False)
+    ttft_overhead_ms: float = 0.0         # per request on top of prefill: gateway and RPC hops
 
     def prefill_ms(self, n: float) -> float:
         p0, p1, p2 = self.prefill
@@ -121,6 +122,8 @@ def parse_points(spec: str, decode: bool) -> list[tuple]:
 
 
 def calibrate(prefill_points: list, decode_points: list, kv_bytes: int = 0, kv_gbps: float = 0.0,
-              source: str = "flags") -> Calibration:
+              source: str = "flags", ttft_overhead_ms: float = 0.0) -> Calibration:
+    if ttft_overhead_ms < 0:
+        raise ValueError(f"ttft_overhead_ms must be >= 0, got {ttft_overhead_ms}")
     return Calibration(fit_prefill(prefill_points), fit_decode(decode_points), kv_bytes, kv_gbps,
-                       source, {"prefill": prefill_points, "decode": decode_points})
+                       source, {"prefill": prefill_points, "decode": decode_points}, ttft_overhead_ms)

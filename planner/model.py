@@ -95,7 +95,7 @@ def predict_prefill(w: Workload, cal: Calibration, replicas: int) -> PrefillPred
     lam = w.rate / 1e3  # per ms
     a = lam * es
     rho = a / replicas
-    hand = sum(cal.handoff_ms(n) for n in ls) / len(ls)
+    hand = sum(cal.handoff_ms(n) for n in ls) / len(ls) + cal.ttft_overhead_ms
     if rho >= 1:
         inf = float("inf")
         return PrefillPrediction(replicas, rho, 1.0, inf, inf, inf, inf, False)
@@ -105,7 +105,7 @@ def predict_prefill(w: Workload, cal: Calibration, replicas: int) -> PrefillPred
     wq_q = max(0.0, math.log(pw / (1 - w.quantile)) / theta) if pw > 0 else 0.0
     lq = length_quantile(w.input_len, w.input_cv, w.quantile)
     return PrefillPrediction(replicas, rho, pw, wq_mean, wq_q, wq_mean + es + hand,
-                             wq_q + cal.prefill_ms(lq) + cal.handoff_ms(lq), True)
+                             wq_q + cal.prefill_ms(lq) + cal.handoff_ms(lq) + cal.ttft_overhead_ms, True)
 
 
 @dataclass(frozen=True)
@@ -159,10 +159,10 @@ def plan(w: Workload, cal: Calibration, max_batch: int = 256, max_replicas: int 
     and decode run on separate GPUs), with the neighbouring counts for the table. ValueError
     when an SLO cannot be met by any count (an idle replica is already too slow)."""
     lq = length_quantile(w.input_len, w.input_cv, w.quantile)
-    if cal.prefill_ms(lq) + cal.handoff_ms(lq) > w.ttft_ms:
+    if cal.prefill_ms(lq) + cal.handoff_ms(lq) + cal.ttft_overhead_ms > w.ttft_ms:
         raise ValueError(f"TTFT SLO {w.ttft_ms:g} ms is below the prefill time ({cal.prefill_ms(lq):.1f} ms) "
-                         f"+ KV handoff ({cal.handoff_ms(lq):.1f} ms) of a p{w.quantile * 100:g} prompt "
-                         "on an idle replica: no replica count meets it")
+                         f"+ KV handoff ({cal.handoff_ms(lq):.1f} ms) + overhead ({cal.ttft_overhead_ms:g} ms) "
+                         f"of a p{w.quantile * 100:g} prompt on an idle replica: no replica count meets it")
     if cal.step_ms(1, w.input_len + w.output_len / 2) > w.tpot_ms:
         raise ValueError(f"TPOT SLO {w.tpot_ms:g} ms is below one decode step at batch 1: "
                          "no replica count meets it")

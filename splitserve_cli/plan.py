@@ -40,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", default=None,
                    help="count the KV handoff at this backend's measured GB/s (newest kv_transfer result)")
     p.add_argument("--kv-gbps", type=float, default=None, help="KV handoff rate, GB/s (wins over --kv-backend)")
+    p.add_argument("--ttft-overhead-ms", type=float, default=0.0,
+                   help="per-request time on top of prefill + handoff: gateway and RPC hops "
+                        "(pd_system on the H200: ~11 ms)")
     p.add_argument("--max-batch", type=int, default=256, help="most running requests per decode replica")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -78,7 +81,7 @@ def calibration_from_args(a: argparse.Namespace):
         gbps, kv_src = a.kv_gbps, f"{a.kv_gbps:g} GB/s (flag)"
     elif a.kv_backend:
         gbps, kv_src = _kv_gbps(a.kv_backend)
-    cal = calibrate(pre, dec, kv_bytes_per_token(a.model_shape), gbps, source)
+    cal = calibrate(pre, dec, kv_bytes_per_token(a.model_shape), gbps, source, a.ttft_overhead_ms)
     return cal, kv_src
 
 
@@ -92,7 +95,8 @@ def render(plan, w, cal, kv_src: str) -> str:
     d0, d1, d2 = cal.decode
     out = [f"calibration: {cal.source}",
            f"  prefill_ms(n) = {p0:.3g} + {p1:.3g} n + {p2:.3g} n^2;  "
-           f"step_ms(B, ctx) = {d0:.3g} + {d1:.3g} B + {d2:.3g} B ctx;  KV handoff: {kv_src}",
+           f"step_ms(B, ctx) = {d0:.3g} + {d1:.3g} B + {d2:.3g} B ctx;  KV handoff: {kv_src}; "
+           f"overhead {cal.ttft_overhead_ms:g} ms",
            f"load: {w.rate:g} req/s, prompts {w.input_len:g} tokens (cv {w.input_cv:g}), "
            f"outputs {w.output_len:g} (cv {w.output_cv:g}); SLO {q} TTFT {w.ttft_ms:g} ms, "
            f"TPOT {w.tpot_ms:g} ms", "",

@@ -156,6 +156,13 @@ def test_cli_json_and_kv_handoff(capsys):
     # at grpc's ~0.5 GB/s the handoff alone (537 ms) is over the 500 ms SLO: said, not searched
     assert main([*ARGS, "--kv-gbps", "0.5"]) == 2
     assert "+ KV handoff (536.9 ms)" in capsys.readouterr().err
+    # the system's own per-request time adds to every TTFT
+    assert main([*ARGS, "--json"]) == 0
+    base = json.loads(capsys.readouterr().out)["prefill"]
+    assert main([*ARGS, "--json", "--ttft-overhead-ms", "11"]) == 0
+    more = json.loads(capsys.readouterr().out)["prefill"]
+    assert more["ttft_ms_q"] == pytest.approx(base["ttft_ms_q"] + 11)
+    assert more["ttft_ms_mean"] == pytest.approx(base["ttft_ms_mean"] + 11)
 
 
 def test_cli_bad_input_exits_2_naming_it(capsys):
