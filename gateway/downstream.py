@@ -36,6 +36,11 @@ class Downstream:
     """Needs (from GatewayCore): prefill, decode (ReplicaPool), predictor, prefix, queue,
     metrics, admission_cfg, prefill_on_decode and the set _bg."""
 
+    def replicas_up(self) -> bool:
+        """A decode replica is up, and a prefill one unless every prompt is prefilled on decode."""
+        return self.decode.any_healthy() and (self.prefill_on_decode == "always"
+                                              or self.prefill.any_healthy())
+
     def check_replicas_up(self) -> None:
         """UNAVAILABLE + Retry-After at once when a role the request needs has no replica up."""
         if not self.decode.any_healthy():

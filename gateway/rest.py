@@ -71,13 +71,13 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
 
     @app.get("/health")
     async def health():
-        ok_p, ok_d = core.prefill.any_healthy(), core.decode.any_healthy()
-        body = {"status": "draining" if core.draining else "ok" if ok_p and ok_d else "degraded",
+        ok = core.replicas_up()  # colocated (prefill on decode): a prefill replica is not needed
+        body = {"status": "draining" if core.draining else "ok" if ok else "degraded",
                 "prefill": [{"address": r.address, "healthy": r.healthy, "error": r.last_error}
                             for r in core.prefill.replicas],
                 "decode": [{"address": r.address, "healthy": r.healthy, "error": r.last_error}
                            for r in core.decode.replicas]}
-        return JSONResponse(body, status_code=200 if ok_p and ok_d and not core.draining else 503)
+        return JSONResponse(body, status_code=200 if ok and not core.draining else 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -143,8 +143,7 @@ async def _health_watch(core: GatewayCore, hs, interval_s: float = 0.25) -> None
     serving = True
     while True:
         await asyncio.sleep(interval_s)
-        ok = (core.decode.any_healthy() and (core.prefill.any_healthy()
-                                             or core.prefill_on_decode == "always"))
+        ok = core.replicas_up()
         if ok != serving and not core.draining:
             serving = ok
             await grpc_util.set_serving(hs, [SERVICE], ok)
