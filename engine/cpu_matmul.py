@@ -4,8 +4,9 @@ Each Linear (and the LM head) gets a oneDNN copy of its weight in the blocked la
 GEMM reads (torch.ops.mkldnn._reorder_linear_weight), used for inputs of 2 or more rows:
 decode batches and prompts. One-row inputs (a single decode stream) keep F.linear on the
 [in, out] weight (engine/cpu_layout.py), which streams it faster at one row. The packed copy
-doubles the weights' memory: on by default only for models whose fp32 weights fit
-DeviceConfig.cpu_packed_max_bytes.
+doubles the weights' memory: DeviceConfig.cpu_packed_matmul auto turns it on only for models
+whose fp32 weights fit engine.runner.CPU_PACKED_MAX_BYTES.
+The packed copies are taken once, after loading: weights changed later are not seen by them.
 
 Results equal F.linear's to fp32 rounding (a different summation order), not bit for bit.
 """
