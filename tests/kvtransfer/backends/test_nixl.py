@@ -212,22 +212,3 @@ def test_make_agent_without_nixl_names_the_package(monkeypatch):
     assert not nixl_available()
     with pytest.raises(BackendUnavailable, match=r"nixl is not installed \(pip install nixl-cu12"):
         make_agent("x")
-
-
-def test_real_nixl_agents_read_between_tensors():
-    """Only where nixl imports: two real agents in one process, one READ (UCX loopback)."""
-    if not nixl_available():
-        pytest.skip("no NIXL wheel imports here")
-    a, b = make_agent("splitserve-test-a"), make_agent("splitserve-test-b")
-    src = torch.arange(4096, dtype=torch.uint8)
-    dst = torch.zeros(4096, dtype=torch.uint8)
-    a.register_memory([dst])
-    b.register_memory([src])
-    peer = a.add_remote_agent(b.get_agent_metadata())
-    h = a.initialize_xfer("READ", a.get_xfer_descs([(dst.data_ptr(), 4096, 0)], "DRAM"),
-                          a.get_xfer_descs([(src.data_ptr(), 4096, 0)], "DRAM"), peer, b"")
-    state = a.transfer(h)
-    while state == "PROC":
-        state = a.check_xfer_state(h)
-    a.release_xfer_handle(h)
-    assert state == "DONE" and torch.equal(src, dst)
