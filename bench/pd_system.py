@@ -72,6 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--api", choices=("grpc", "rest"), default="grpc")
     ap.add_argument("--prefill-on-decode", choices=("never", "auto", "always"), default=None,
                     help="the gateway's choice (default: its own, auto)")
+    ap.add_argument("--topology", choices=("split", "colocated", "auto"), default="split",
+                    help="up's topology (split: the disaggregated system this compares; "
+                         "auto colocates on CPU)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     a, rest = ap.parse_known_args(argv)
     ep = argparse.ArgumentParser(prog="engine flags", allow_abbrev=False)
@@ -178,7 +181,7 @@ def engine_side(a, e) -> dict:
 def start_up(a, e, engine_argv: list[str], log_path: str, mports: tuple[int, int]):
     cmd = [sys.executable, "-m", "splitserve_cli", "up", "--http-port", "0", "--grpc-port", "0",
            "--prefill-port", "0", "--decode-port", "0", "--ready-timeout", str(a.ready_timeout),
-           "--metrics-ports", f"{mports[0]},{mports[1]}"]
+           "--metrics-ports", f"{mports[0]},{mports[1]}", "--topology", a.topology]
     if e.device.startswith("cuda"):
         gpu = e.device.partition(":")[2] or "0"
         cmd += ["--prefill-gpu", gpu, "--decode-gpu", gpu, *without_device(engine_argv)]
