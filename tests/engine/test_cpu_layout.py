@@ -13,6 +13,7 @@ from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, 
 from engine.engine import Engine
 from engine.layers.linear import Linear
 from engine.sampling_params import SamplingParams
+from tests.engine.hf_greedy import hf_greedy
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
            "Explain photosynthesis to a child.", "List three prime numbers."]
@@ -52,13 +53,7 @@ def test_smollm2_greedy_equals_hf_on_the_cpu_path(smollm2_cpu, hf_smollm2_model)
     tok = eng.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
                       add_special_tokens=False) for p in PROMPTS]
-    want = []
-    for p in ids:
-        x = torch.tensor([p])
-        with torch.no_grad():
-            g = hf_smollm2_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
-                                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        want.append(g[0, len(p):].tolist())
+    want = hf_greedy(hf_smollm2_model, ids, NEW)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     # concurrently (chunked prefill: prompt chunks after cached tokens mix with decode rows)
     assert eng.generate(ids, params, id_prefix="c-") == want

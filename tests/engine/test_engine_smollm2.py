@@ -3,11 +3,11 @@ transformers' greedy generate token for token, one at a time and 4 concurrently;
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from tests.engine.hf_greedy import hf_greedy
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
            "Explain photosynthesis to a child.", "List three prime numbers."]
@@ -34,13 +34,7 @@ def _run(eng, prompts, params):
 
 def test_smollm2_greedy_equals_hf(smollm2_engine, ids, hf_smollm2_model):
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    want = []
-    for p in ids:
-        x = torch.tensor([p])
-        with torch.no_grad():
-            g = hf_smollm2_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
-                                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        want.append(g[0, len(p):].tolist())
+    want = hf_greedy(hf_smollm2_model, ids, NEW)
     # concurrently, with chunked prefill (budget 64 tokens) and the shared chat-template prefix
     assert _run(smollm2_engine, ids, params) == want
     # one at a time (prefix cache now warm)

@@ -65,3 +65,21 @@ async def stack():
     s = await make_stack()
     yield s
     await s.close()
+
+
+@pytest.fixture
+async def rest_stack():
+    """Fake replicas behind a core whose admission assumes 1000 prompt tokens/s."""
+    s = await make_stack(admission=AdmissionConfig(prefill_tokens_per_s=1000.0))
+    yield s
+    await s.close()
+
+
+def asgi_client(stack, **kw):
+    """An httpx client calling the REST app in-process (no socket)."""
+    import httpx
+
+    from gateway.rest import build_app
+
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(stack.core, **kw)),
+                             base_url="http://test")

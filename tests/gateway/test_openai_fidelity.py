@@ -7,26 +7,20 @@ import httpx
 import openai
 import pytest
 
-from gateway.admission import AdmissionConfig
 from gateway.grpc_server import request_from_pb
-from gateway.rest import build_app
 from gateway.validate import Limits
-from tests.gateway.conftest import make_stack
+from tests.gateway.conftest import asgi_client
 from tests.harness import TINY_CPU, start_stack
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture
-async def stack():
-    s = await make_stack(admission=AdmissionConfig(prefill_tokens_per_s=1000.0))
-    yield s
-    await s.close()
+def stack(rest_stack):
+    return rest_stack
 
 
-def _client(stack, **kw) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(stack.core, **kw)),
-                             base_url="http://test")
+_client = asgi_client
 
 
 # ---- max_tokens unset ---------------------------------------------------------------------

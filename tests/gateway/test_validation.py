@@ -7,15 +7,12 @@ import asyncio
 import time
 
 import grpc
-import httpx
 import pytest
 
 from common.grpc_util import server_options
-from gateway.admission import AdmissionConfig
 from gateway.grpc_server import add_to_server
-from gateway.rest import build_app
 from protos import generate_pb2, generate_pb2_grpc
-from tests.gateway.conftest import make_stack
+from tests.gateway.conftest import asgi_client
 
 M = "fake-model"
 CHAT = {"model": M, "messages": [{"role": "user", "content": "hi"}]}
@@ -24,15 +21,11 @@ U32, I63 = 1 << 32, 1 << 63
 
 
 @pytest.fixture
-async def stack():
-    s = await make_stack(admission=AdmissionConfig(prefill_tokens_per_s=1000.0))
-    yield s
-    await s.close()
+def stack(rest_stack):
+    return rest_stack
 
 
-def _client(stack, **kw) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(stack.core, **kw)),
-                             base_url="http://test")
+_client = asgi_client
 
 
 @pytest.fixture
