@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, packed_linear  # noqa: F401 - re-exported
 
 log = logging.getLogger("splitserve.engine.cpu_matmul")
 
@@ -29,11 +29,6 @@ def available() -> bool:
 def pack(w: torch.Tensor) -> torch.Tensor:
     """[out, in] fp32 weight -> oneDNN's packed copy (a non-contiguous one is copied first)."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] fp32 -> x @ W^T (+ bias) through the packed weight."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def linear_weights_bytes(model) -> int:

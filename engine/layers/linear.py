@@ -26,8 +26,26 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def row_bucket(n: int) -> int:
+    """Rows a packed matmul of n rows runs with: a power of two up to 64, then a multiple of 64."""
+    return 1 << (n - 1).bit_length() if n <= 64 else -(-n // 64) * 64
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] fp32 -> x @ W^T (+ bias) through oneDNN's packed weight.
+    NOTE: rows are padded to row_bucket(n): oneDNN keeps a primitive (and its buffers) per input
+    shape, so unbucketed prompt lengths grow the process without bound (~0.8 MiB a request:
+    python -m lab.engine_rss); padding rows is cheap where the weights' bytes dominate."""
+    n = x.shape[0]
+    b = row_bucket(n)
+    if b != n:
+        x = F.pad(x, (0, 0, 0, b - n))
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y if b == n else y[:n]
 
 
 class MergedLinear(Linear):

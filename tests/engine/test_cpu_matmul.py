@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from engine import cpu_matmul
 from engine.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, row_bucket
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("rows", [2, 7, 64])
+@pytest.mark.parametrize("rows", [2, 7, 64, 65, 130])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -30,6 +30,12 @@ def test_packed_linear_equals_f_linear(rows, bias):
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-4)
     one = x[:1]
     assert torch.equal(lin(one), F.linear(one, lin.weight, lin.bias))  # one row: plain F.linear
+
+
+def test_row_buckets_bound_the_shapes():
+    assert [row_bucket(n) for n in (2, 3, 5, 9, 33, 64, 65, 128, 129, 2048)] == \
+        [2, 4, 8, 16, 64, 64, 128, 128, 192, 2048]
+    assert len({row_bucket(n) for n in range(2, 2049)}) == 6 + 31  # 2..64 by powers, then /64
 
 
 def test_logits_through_the_packed_head():
