@@ -33,9 +33,9 @@ def test_packed_linear_equals_f_linear(rows, bias):
 
 
 def test_row_buckets_bound_the_shapes():
-    assert [row_bucket(n) for n in (2, 3, 5, 9, 33, 64, 65, 128, 129, 2048)] == \
-        [2, 4, 8, 16, 64, 64, 128, 128, 192, 2048]
-    assert len({row_bucket(n) for n in range(2, 2049)}) == 6 + 31  # 2..64 by powers, then /64
+    assert [row_bucket(n) for n in (2, 3, 5, 9, 39, 64, 127, 128, 129, 2048)] == \
+        [2, 4, 8, 16, 40, 64, 128, 128, 144, 2048]
+    assert len({row_bucket(n) for n in range(2, 2049)}) == 3 + 15 + 120
 
 
 def test_logits_through_the_packed_head():
