@@ -19,19 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.auth import write_secret_file
 from protos import generate_pb2, generate_pb2_grpc
 from tests import harness
+from tests.tls_util import self_signed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 KEYS = ("key-alpha-0123456789", "key-beta-0123456789")
 MODEL = "dummy-tiny-llama"
-
-
-def self_signed(d) -> tuple[str, str]:
-    cert, key = str(d / "cert.pem"), str(d / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
-                    "-out", cert, "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True)
-    return cert, key
 
 
 @pytest.fixture(scope="module")

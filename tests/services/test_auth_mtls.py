@@ -4,7 +4,6 @@ store listens on the service's host only; a client without a certificate of the 
 CA (even with the right secret) is not served."""
 from __future__ import annotations
 
-import subprocess
 
 import grpc
 import psutil
@@ -15,25 +14,17 @@ from engine.sampling_params import SamplingParams
 from protos import common_pb2, decode_pb2_grpc
 from tests import harness
 from tests.services.client import Client
+from tests.tls_util import self_signed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(120)]
 
 SECRET = "mtls-" + "q" * 40
 
 
-def _cert(d, name: str) -> tuple[str, str]:
-    cert, key = str(d / f"{name}.pem"), str(d / f"{name}.key")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
-                    "-out", cert, "-days", "1", "-subj", f"/CN={name}",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True)
-    return cert, key
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("mtls")
-    cert, key = _cert(d, "deployment")  # self-signed: its own CA
+    cert, key = self_signed(d, "deployment")  # self-signed: its own CA
     secret = str(d / "secret")
     write_secret_file(secret, SECRET)
     flags = ["--internal-secret-file", secret, "--internal-tls-cert", cert, "--internal-tls-key", key,
@@ -57,7 +48,7 @@ async def test_mtls_and_a_dist_pair_on_the_secret(setup):
         assert listening == ["127.0.0.1"], listening  # not every interface
     finally:
         await c.close()
-    stranger = _cert(d, "stranger")
+    stranger = self_signed(d, "stranger")
     for creds in (InternalAuth(secret=SECRET),  # no TLS at all
                   InternalAuth(secret=SECRET, tls=TlsFiles.load(*stranger, cert))):  # foreign cert
         async with creds.channel(dec.address) as ch:
