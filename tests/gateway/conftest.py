@@ -83,3 +83,15 @@ def asgi_client(stack, **kw):
 
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(stack.core, **kw)),
                              base_url="http://test")
+
+
+async def generate_status(stub, req, timeout: float = 10):
+    """Run a Generate stream to its end: (status code, details); OK when it ends cleanly."""
+    import grpc
+
+    try:
+        async for _ in stub.Generate(req, timeout=timeout):
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""

@@ -12,7 +12,7 @@ import pytest
 from common.grpc_util import server_options
 from gateway.grpc_server import add_to_server
 from protos import generate_pb2, generate_pb2_grpc
-from tests.gateway.conftest import asgi_client
+from tests.gateway.conftest import asgi_client, generate_status
 
 M = "fake-model"
 CHAT = {"model": M, "messages": [{"role": "user", "content": "hi"}]}
@@ -207,13 +207,7 @@ async def test_duplicate_request_id_grpc_already_exists(stack, grpc_stub):
 
 # ---- gRPC: the same rules after conversion --------------------------------------------------
 
-async def _status(stub, req) -> tuple[grpc.StatusCode, str]:
-    try:
-        async for _ in stub.Generate(req, timeout=10):
-            pass
-    except grpc.aio.AioRpcError as e:
-        return e.code(), e.details()
-    return grpc.StatusCode.OK, ""
+_status = generate_status
 
 
 S = generate_pb2.SamplingParams

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from protos import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
 from tests.gateway import fuzz_strategies as fs
+from tests.gateway.conftest import generate_status
 from tests.harness import TINY_CPU, start_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -92,12 +93,7 @@ async def test_hostile_grpc_requests_and_duplicate_ids(stack):
         stub = generate_pb2_grpc.GenerationStub(ch)
 
         async def status(req):
-            try:
-                async for _ in stub.Generate(req, timeout=30):
-                    pass
-            except grpc.aio.AioRpcError as e:
-                return e.code(), e.details()
-            return grpc.StatusCode.OK, ""
+            return await generate_status(stub, req, timeout=30)
 
         S = generate_pb2.SamplingParams
         for req, field in [
