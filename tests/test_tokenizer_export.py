@@ -90,7 +90,8 @@ def test_cli_export_unknown_model_is_one_line(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_up_banner_names_the_served_model_and_the_tokenizer(tmp_path):
-    with splitserve_up([*UP_PORTS, *TINY_CPU, "--served-model-name", "tiny-test"], cwd=tmp_path) as up:
+    with splitserve_up([*UP_PORTS, *TINY_CPU, "--served-model-name", "tiny-test", "--topology",
+                        "split"], cwd=tmp_path) as up:
         text = up.log()
         assert re.search(r"model name\s+tiny-test\s", text), text
         assert re.search(r"REST \(OpenAI\)\s+http://127\.0\.0\.1:\d+/v1", text), text
