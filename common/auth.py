@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.envs import env_bool, env_str
+from common.grpc_util import handler_like
 
 SECRET_KEY = "x-splitserve-internal-secret"
 CLIENT_KEY = "x-splitserve-client"  # a per-process token: who owns a request on decode
@@ -212,15 +213,7 @@ def _deny(handler, method: str):
     async def unary(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
 
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(unary, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    return grpc.stream_stream_rpc_method_handler(unary, **kw)
+    return handler_like(handler, unary)
 
 
 # ---- client side ----------------------------------------------------------------------------

@@ -171,6 +171,20 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     await context.abort(code, msg)
 
 
+def handler_like(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+    """A method handler of `handler`'s kind (unary / streaming request and response) and
+    serializers around `behavior`: what an interceptor returns in place of the real one."""
+    kw = dict(request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(behavior, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(behavior, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(behavior, **kw)
+    return grpc.stream_stream_rpc_method_handler(behavior, **kw)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     from engine.sampling_params import InvalidRequestError
 

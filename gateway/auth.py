@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.grpc_util import handler_like
+
 ENV_API_KEY = "SPLITSERVE_API_KEY"
 OPEN_PATHS = ("/health", "/metrics")
 OPEN_GRPC = ("/grpc.health.v1.Health/",)
@@ -195,8 +197,6 @@ def _wrap(handler, limiter: KeyLimiter, kid: str | None):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many concurrent requests for this API key (limit {limiter.limit})")
 
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
     if handler.unary_unary or handler.stream_unary:
         inner = handler.unary_unary or handler.stream_unary
 
@@ -206,9 +206,7 @@ def _wrap(handler, limiter: KeyLimiter, kid: str | None):
                 return await inner(request, context)
             finally:
                 limiter.release(kid)
-        make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
-                else grpc.stream_unary_rpc_method_handler)
-        return make(unary, **kw)
+        return handler_like(handler, unary)
     inner = handler.unary_stream or handler.stream_stream
 
     async def streaming(request, context):
@@ -218,6 +216,4 @@ def _wrap(handler, limiter: KeyLimiter, kid: str | None):
                 yield msg
         finally:
             limiter.release(kid)
-    make = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
-            else grpc.stream_stream_rpc_method_handler)
-    return make(streaming, **kw)
+    return handler_like(handler, streaming)
