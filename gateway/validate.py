@@ -17,9 +17,8 @@ import grpc
 import pydantic_core
 from pydantic import BaseModel, ValidationError
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway.config import MAX_TOKENS_OVER_CONTEXT
-from gateway.convert import make_sampling_params
 from gateway.schemas import SamplingFields, json_type
 from gateway.types import GatewayError, invalid
 
@@ -201,5 +200,10 @@ def sampling_params(f: SamplingFields, n_prompt: int, limits: Limits, *, logprob
               "frequency_penalty"):
         if k in kw:
             kw[k] = float(kw[k])
-    return make_sampling_params(max_tokens=mt, stop=f.stop or (), stop_token_ids=ids,
-                                logprobs=logprobs, **kw, **extra)
+    try:
+        return SamplingParams(max_tokens=mt, stop=f.stop or (), stop_token_ids=ids,
+                              logprobs=logprobs, **kw, **extra)
+    except InvalidRequestError as e:
+        raise invalid(str(e)) from None
+    except TypeError as e:
+        raise invalid(f"invalid sampling parameters: {e}") from None
