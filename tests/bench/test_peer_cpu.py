@@ -1,7 +1,9 @@
-"""bench/peer_cpu.py's pure parts: flags, figures over rounds, the table's ratios."""
+"""bench/peer_cpu.py's pure parts (flags, figures over rounds, the table's ratios) and the vLLM
+command of bench/peer_servers.py."""
 import pytest
 
 from bench import peer_cpu as pc
+from bench import peer_servers
 from bench.pd_clients import Trace
 
 
@@ -60,12 +62,12 @@ def test_speedup_needs_two_numbers():
 
 
 def test_vllm_command_and_env():
-    cmd = pc.vllm_cmd("/v/bin/python", "/hf", 8123, 2048, 32)
+    cmd = peer_servers.vllm_cmd("/v/bin/python", "/hf", 8123, 2048, 32)
     assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--model") + 1] == "/hf"
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert cmd[cmd.index("--port") + 1] == "8123"
-    env = pc.vllm_env(2, 1)
+    env = peer_servers.vllm_env(2, 1)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
