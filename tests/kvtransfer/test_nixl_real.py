@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from engine.kv_blocks import KVBlocks
 from kvtransfer import KVLayout, send_blocks
 from kvtransfer.backends.nixl import make_agent
 from kvtransfer.backends.nixl_probe import nixl_api
 from kvtransfer.endpoint import local_endpoint
 from kvtransfer.loopback import ReceiverProc
 from tests.kvtransfer.nixl_child import CHILD_ENV
+from tests.kvtransfer._util import random_blocks
 
 # NOTE: these tests load UCX into the test process, and once (a loaded machine) its import
 # aborted the whole interpreter: they run in their own pytest process, started by
@@ -31,18 +31,6 @@ if IN_CHILD:
         WHY_NOT = f"no NIXL wheel imports here: {e}"
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)]
-
-
-def _kv(layout: KVLayout, n_blocks: int, seed: int) -> KVBlocks:
-    g = torch.Generator().manual_seed(seed)
-    layers = [torch.randint(0, 256, (layout.layer_nbytes(n_blocks),), dtype=torch.uint8, generator=g)
-              .view(layout.torch_dtype).reshape(layout.layer_shape(n_blocks))
-              for _ in range(layout.num_layers)]
-    ks = vs = None
-    if layout.dtype == "fp8_e4m3":
-        ks = [0.5 + i for i in range(layout.num_layers)]
-        vs = [0.25 + i for i in range(layout.num_layers)]
-    return KVBlocks(layout.block_size, n_blocks * layout.block_size - 3, layout.dtype, layers, ks, vs)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +53,7 @@ async def test_two_processes_byte_exact_in_reserved_blocks(receiver):
     sender = _sender()
     try:
         for i, ids in enumerate(([5, 6, 7, 20], [31, 0, 1], [9])):  # merged runs + scattered blocks
-            kv = _kv(layout, len(ids), seed=i)
+            kv = random_blocks(layout, len(ids), seed=i, raw_bytes=True)
             tid = f"t{i}"
             rp.expect(tid, f"r{i}", ids, kv.num_tokens)
             n = await send_blocks(sender, rp.address, tid, f"r{i}", kv, layout, 20, peer=rp.endpoint)
@@ -85,7 +73,7 @@ async def test_a_request_larger_than_staging_streams_through_it(receiver):
     sender = _sender(staging_bytes=160 << 10)
     try:
         ids = list(range(30, 0, -1))
-        kv = _kv(layout, len(ids), seed=7)
+        kv = random_blocks(layout, len(ids), seed=7, raw_bytes=True)
         rp.expect("big", "big", ids, kv.num_tokens)
         await send_blocks(sender, rp.address, "big", "big", kv, layout, 20, peer=rp.endpoint)
         assert rp.wait("big", 10) == ("done", None)
@@ -100,7 +88,8 @@ async def test_concurrent_transfers_share_the_pair(receiver):
     layout, rp = receiver
     sender = _sender()
     try:
-        kvs = {f"c{i}": (_kv(layout, 2, seed=10 + i), [10 + 2 * i, 11 + 2 * i]) for i in range(4)}
+        kvs = {f"c{i}": (random_blocks(layout, 2, seed=10 + i, raw_bytes=True), [10 + 2 * i, 11 + 2 * i])
+               for i in range(4)}
         for rid, (kv, ids) in kvs.items():
             rp.expect(rid, rid, ids, kv.num_tokens)
         await asyncio.gather(*(send_blocks(sender, rp.address, rid, rid, kv, layout, 20, peer=rp.endpoint)

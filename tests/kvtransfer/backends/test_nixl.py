@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from common.grpc_util import create_server
-from engine.kv_blocks import KVBlocks
 from kvtransfer import KVLayout, KVReceiver, TransferError, TransferState, send_blocks
 from kvtransfer.backends.nixl import (NixlPlane, block_bytes, layer_block_descs, make_agent,
                                       merge_contiguous, nixl_available, register_kv_caches)
@@ -25,6 +24,7 @@ from kvtransfer.guard import GuardedSink, InflightGuard
 from kvtransfer.loopback import MemorySink
 from protos import kvtransfer_pb2_grpc
 from tests.harness import ROOT, child_env
+from tests.kvtransfer._util import random_blocks
 from tests.kvtransfer.backends.fake_nixl import FakeAgent
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,17 +32,6 @@ pytestmark = pytest.mark.timeout(60)
 
 def _layout(dtype="bf16", layers=3):
     return KVLayout(num_layers=layers, num_kv_heads=2, head_dim=8, dtype=dtype, block_size=16)
-
-
-def _blocks(layout, n_blocks, seed):
-    g = torch.Generator().manual_seed(seed)
-    layers = [torch.randn(layout.layer_shape(n_blocks), generator=g).mul(3).to(layout.torch_dtype)
-              for _ in range(layout.num_layers)]
-    ks = vs = None
-    if layout.dtype == "fp8_e4m3":
-        ks = [0.5 + i for i in range(layout.num_layers)]
-        vs = [0.25 + i for i in range(layout.num_layers)]
-    return KVBlocks(layout.block_size, n_blocks * layout.block_size - 1, layout.dtype, layers, ks, vs)
 
 
 def test_block_descriptors_match_tensor_addresses():
@@ -105,7 +94,7 @@ async def test_pull_flow_lands_byte_exact_in_reserved_blocks(dtype):
     layout = _layout(dtype)
     rig = await _Rig(layout).start()
     try:
-        kv = _blocks(layout, 4, seed=1)
+        kv = random_blocks(layout, 4, seed=1, short=1)
         rig.sink.block_ids["r1"] = [9, 10, 11, 3]  # three contiguous + one elsewhere
         rig.rx.expect("t1", "r1", 4, kv.num_tokens)
         n = await send_blocks(rig.sender, rig.address, "t1", "r1", kv, layout, 10, peer=PairEndpoint("cpu"))
@@ -131,7 +120,7 @@ async def test_a_request_larger_than_staging_streams_through_it():
     layout = _layout()
     rig = await _Rig(layout, staging_bytes=32 << 10).start()
     try:
-        kv = _blocks(layout, 20, seed=4)
+        kv = random_blocks(layout, 20, seed=4, short=1)
         assert kv.nbytes() > 32 << 10
         rig.sink.block_ids["r1"] = list(range(20))
         rig.rx.expect("t1", "r1", 20, kv.num_tokens)
@@ -150,7 +139,7 @@ async def test_release_waits_for_a_read_in_flight():
     layout = _layout()
     rig = await _Rig(layout, hold).start()
     try:
-        kv = _blocks(layout, 2, seed=2)
+        kv = random_blocks(layout, 2, seed=2, short=1)
         rig.sink.block_ids["r1"] = [0, 1]
         rig.rx.expect("t1", "r1", 2, kv.num_tokens)
         tx = await rig.sender.open(rig.address, "t1", "r1", layout, kv.num_tokens, 10, peer=PairEndpoint("cpu"))
@@ -180,7 +169,7 @@ async def test_unregistered_memory_fails_the_transfer():
     rig = await _Rig(layout).start()
     rig.dec_agent.regions.clear()  # as if decode never registered its cache
     try:
-        kv = _blocks(layout, 1, seed=3)
+        kv = random_blocks(layout, 1, seed=3, short=1)
         rig.sink.block_ids["r1"] = [5]
         rig.rx.expect("t1", "r1", 1, kv.num_tokens)
         with pytest.raises(TransferError):
