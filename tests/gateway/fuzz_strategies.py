@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 from hypothesis import strategies as st
 
 from protos import generate_pb2
@@ -170,3 +171,24 @@ grpc_request = st.one_of(
     st.tuples(st.just("Tokenize"), tokenize_pb.map(lambda m: m.SerializeToString())),
     st.tuples(st.sampled_from(["Generate", "Tokenize"]), st.binary(max_size=48)),
 )
+
+
+def raw_grpc_caller(channel: grpc.Channel, timeout: float):
+    """-> call((method, raw bytes)) -> (status code, details): one grpc_request sent as it is
+    (Generate read to its end)."""
+    ident = dict(request_serializer=lambda x: x, response_deserializer=lambda x: x)
+    generate = channel.unary_stream("/splitserve.v1.Generation/Generate", **ident)
+    tokenize = channel.unary_unary("/splitserve.v1.Generation/Tokenize", **ident)
+
+    def call(req) -> tuple[grpc.StatusCode, str]:
+        method, raw = req
+        try:
+            if method == "Generate":
+                for _ in generate(raw, timeout=timeout):
+                    pass
+            else:
+                tokenize(raw, timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+    return call
