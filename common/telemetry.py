@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -30,6 +29,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from common.envs import env_str
+from common.trace_export import otel_env
 from common.trace_genai import GenAI, request_attributes, server_endpoint, span_name, usage_attributes
 
 __all__ = ["GenAI", "request_attributes", "server_endpoint", "span_name", "usage_attributes",
@@ -52,15 +53,11 @@ class KV:
     ADMISSION = "splitserve.admission.decision"
 
 
-def _env(name: str, default: str = "") -> str:
-    return os.environ.get(name, default).strip()
-
-
 def _setup_metrics(service_name: str):
     global _meter_provider
     from common.trace_export import meter_provider_from_env
 
-    _meter_provider = meter_provider_from_env(_env("OTEL_SERVICE_NAME") or service_name)
+    _meter_provider = meter_provider_from_env(otel_env("OTEL_SERVICE_NAME") or service_name)
     return _meter_provider
 
 
@@ -72,12 +69,12 @@ def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | N
     global _provider
     if _provider is not None and not force:
         return _provider
-    if _env("OTEL_SDK_DISABLED").lower() == "true":
+    if otel_env("OTEL_SDK_DISABLED").lower() == "true":
         return None
     from common.trace_export import list_env, otlp_span_exporter
 
     exporters = list_env("OTEL_TRACES_EXPORTER")
-    trace_file = trace_file or _env("SPLITSERVE_TRACE_FILE") or None
+    trace_file = trace_file or env_str("SPLITSERVE_TRACE_FILE")
     meter_provider = _setup_metrics(service_name)
     if not exporters and not trace_file and meter_provider is None:
         return None
@@ -85,7 +82,7 @@ def setup_tracing(service_name: str, *, force: bool = False, trace_file: str | N
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    name = _env("OTEL_SERVICE_NAME") or service_name
+    name = otel_env("OTEL_SERVICE_NAME") or service_name
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
     for e in exporters:
         if e == "otlp":

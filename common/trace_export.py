@@ -10,22 +10,23 @@ from __future__ import annotations
 import os
 
 
-def _env(name: str, default: str = "") -> str:
+def otel_env(name: str, default: str = "") -> str:
+    """A standard OTEL_* (or other non-SPLITSERVE_) variable, stripped."""
     return os.environ.get(name, default).strip()
 
 
 def list_env(name: str) -> list[str]:
     """The exporters named in a comma-separated variable, `none` left out."""
-    return [e for e in (x.strip().lower() for x in _env(name, "none").split(",")) if e and e != "none"]
+    return [e for e in (x.strip().lower() for x in otel_env(name, "none").split(",")) if e and e != "none"]
 
 
 def otlp_span_exporter():
-    proto = (_env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
+    proto = (otel_env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or otel_env("OTEL_EXPORTER_OTLP_PROTOCOL")
              or "grpc").lower()
     if proto == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        endpoint = _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoint = otel_env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or otel_env("OTEL_EXPORTER_OTLP_ENDPOINT")
         insecure = endpoint.startswith("http://") if endpoint else True
         return OTLPSpanExporter(endpoint=endpoint or None, insecure=insecure)
     try:
@@ -51,7 +52,7 @@ def meter_provider_from_env(service_name: str):
         if e == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-            endpoint = _env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
+            endpoint = otel_env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or otel_env("OTEL_EXPORTER_OTLP_ENDPOINT")
             exp = OTLPMetricExporter(endpoint=endpoint or None,
                                      insecure=endpoint.startswith("http://") if endpoint else True)
         elif e == "console":
