@@ -30,9 +30,9 @@ for s in $steps; do
           && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       fi
       python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.__version__)" 2>&1 | tail -3
-      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_flash_attention.py 2>&1 \
+      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_flash_attention.py 2>&1 \
         | tee "$OUT/gpu_fa4.log" | tail -12
-      timeout 300 python3 -m bench.attention_backends_gpu 2>&1 | tee "$OUT/attention_backends.log" | tail -20 ;;
+      timeout 260 python3 -m bench.attention_backends_gpu 2>&1 | tee "$OUT/attention_backends.log" | tail -20 ;;
     gtests)
       timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_gtests.log" | tail -8 ;;
     ktests)
