@@ -8,6 +8,7 @@
   colocated  the sweep's absolute rates with the SLO sent, one engine doing both
 
     python -m lab.serve_sweep --model dummy:llama-3.1-8b --ttft-ms 500 --tpot-ms 50
+    python -m lab.serve_sweep --replot OUT/serve-*.json   # PNGs where the run had no matplotlib
 Each phase is skipped when --deadline-s would be passed. JSON + PNGs per bench run in
 $SPLITSERVE_BENCH_DIR; the table at the end is built from them.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -79,6 +81,31 @@ def table(rs: list[dict]) -> None:
                           f(r["ttft_ape"], 3)]), flush=True)
 
 
+def replot(paths: list[str]) -> None:
+    """The PNGs of bench.serve JSONs written without matplotlib (CDFs from the per-request
+    rows: no ITL, which the rows do not keep), and one load plot over all of them."""
+    from bench.serve_plots import plot_cdfs, plot_load
+
+    series: dict[str, list] = {}
+    slo = {}
+    for path in sorted(paths):
+        doc = json.load(open(path))
+        slo = {"ttft_ms": doc["config"]["ttft_ms"], "tpot_ms": doc["config"]["tpot_ms"]}
+        cdf = {}
+        for r in doc["results"]["runs"]:
+            ok = [q for q in r["requests"] if q["status"] == "ok"]
+            load = f"{r['rate']:.3g}/s" if "rate" in r else f"c={int(r['concurrency'])}"
+            cdf[f"{r['label']} {load}"] = {m: [q[m] for q in ok if m in q]
+                                           for m in ("ttft_ms", "tpot_ms", "e2e_ms")}
+            if "rate" in r:
+                series.setdefault(f"{doc['benchmark']}: {r['label']}", []).append(r["summary"])
+        print(plot_cdfs(cdf, path[:-len(".json")] + "-cdf.png", doc["benchmark"], slo))
+    multi = {k: v for k, v in series.items() if len(v) > 1}
+    if multi:
+        out = os.path.join(os.path.dirname(sorted(paths)[0]), "serve-sweep-load.png")
+        print(plot_load(multi, out, slo=slo))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="dummy:llama-3.1-8b")
@@ -98,7 +125,11 @@ def main(argv=None) -> int:
     p.add_argument("--ready-timeout", type=float, default=240.0)
     p.add_argument("--deadline-s", type=float, default=560.0)
     p.add_argument("--up-arg", action="append", default=[], help="extra `splitserve up` flag")
+    p.add_argument("--replot", nargs="+", metavar="JSON", help="only draw the PNGs of these runs")
     a = p.parse_args(argv)
+    if a.replot:
+        replot(a.replot)
+        return 0
     tag = a.model.split(":")[-1].replace(".", "")
     phases, rs, rates, mixed_rate = a.phases.split(","), [], None, None
     mixed = ["--input-len", a.mixed_input, "--output-len", "fixed:64"]
