@@ -129,9 +129,17 @@ class Sampler:
         rows = [i for i, n in enumerate(b.logprobs) if n is not None]
         if not rows:
             return None
-        ridx = torch.tensor(rows, dtype=torch.long, device=raw.device)
-        lp = raw.float().index_select(0, ridx).log_softmax(dim=-1)
-        chosen = lp.gather(1, tokens.index_select(0, ridx).unsqueeze(1)).squeeze(1)
+        if len(rows) == b.num_rows:
+            sel, tok = raw, tokens
+        else:
+            # NOTE: torch.tensor(..., device=cuda) from a list is a blocking copy that waits
+            # for the whole stream; a pinned, non-blocking one keeps the step overlapped
+            ridx = torch.tensor(rows, dtype=torch.long)
+            if raw.is_cuda:
+                ridx = ridx.pin_memory().to(raw.device, non_blocking=True)
+            sel, tok = raw.index_select(0, ridx), tokens.index_select(0, ridx)
+        lp = sel.float().log_softmax(dim=-1)
+        chosen = lp.gather(1, tok.unsqueeze(1)).squeeze(1)
         k = max(b.logprobs[i] for i in rows)
         return [chosen, *lp.topk(k, dim=-1)] if k > 0 else [chosen]
 
