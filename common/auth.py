@@ -158,7 +158,8 @@ def ticket_fields(ticket, request_id: str) -> tuple:
     return (request_id, ticket.transfer_id, ticket.decode_address, tuple(ticket.block_ids),
             ticket.block_size, ticket.num_tokens, ticket.expires_unix_ms,
             (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype), tuple(ticket.kv_backends),
-            (pair.store_address, pair.device, pair.device_uuid, pair.host_id))
+            (pair.store_address, pair.device, pair.device_uuid, pair.host_id),
+            ticket.num_cached_blocks)
 
 
 def sign_ticket(auth: InternalAuth | None, ticket, request_id: str) -> None:
