@@ -27,13 +27,13 @@ import uuid
 
 import grpc
 
-from common.auth import InternalAuth, caller_id, sign_ticket
+from common.auth import InternalAuth, caller_id, prompt_digest, sign_ticket
 from common.convert import FINISH_REASONS, load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import server_span, set_attrs
 from engine.request import RequestOutput
 from engine.sampling_params import InvalidRequestError
-from kvtransfer import KVReceiver, TransferError
+from kvtransfer import KVReceiver, TransferError, TransferState
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2
 
 log = logging.getLogger("splitserve.decode")
@@ -110,7 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             held = -(-n // lay.block_size) - len(blocks)  # leading blocks our prefix cache holds
             t = self.receiver.expect(tid, rid, len(blocks), n, timeout, block_ids=blocks,
                                      skip_blocks=held)
-            t.held_tokens = tuple(prompt[:held * lay.block_size]) if held else ()
+            t.prompt = tuple(prompt) if prompt is not None else ()
             self._reserved_tokens[tid] = n
             ticket = common_pb2.TransferTicket(
                 transfer_id=tid, decode_address=self.address, block_ids=blocks,
@@ -118,7 +118,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 expires_unix_ms=int((time.time() + timeout) * 1e3),
                 layout=common_pb2.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                                            head_dim=lay.head_dim, dtype=lay.dtype),
-                kv_backends=self.kv_backends, num_cached_blocks=held)
+                kv_backends=self.kv_backends, num_cached_blocks=held,
+                prompt_digest=prompt_digest(prompt) if prompt is not None else b"")
             if self.pair is not None:
                 ticket.pair.CopyFrom(self.pair.to_pb())
             sign_ticket(self.auth, ticket, rid)
@@ -160,11 +161,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if want is not None and len(request.prompt_token_ids) != want:
                     raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens "
                                               f"but transfer {tid} reserved {want}")
-                if t.held_tokens and tuple(request.prompt_token_ids[:len(t.held_tokens)]) != t.held_tokens:
-                    # NOTE: the held blocks are the KV of Reserve's prompt; another one would
-                    # decode on the wrong context
-                    raise InvalidRequestError(f"prompt_token_ids differ from Reserve's in the "
-                                              f"{t.skip_blocks} leading blocks decode holds")
+                if t.prompt and tuple(request.prompt_token_ids) != t.prompt:
+                    # NOTE: the KV (held blocks and sent ones) is Reserve's prompt's, and the
+                    # prefix cache files it under these tokens: another prompt would poison it
+                    raise InvalidRequestError("prompt_token_ids differ from the Reserve's")
             except InvalidRequestError as e:
                 self.receiver.fail(tid, f"bad Decode request: {e}")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -350,6 +350,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         rid, tid = request.request_id, request.transfer_id
         t = self.receiver.get(tid) if tid else self.receiver.find_request(rid)
         await self._check_caller(t.request_id if t is not None else rid, context)
+        if t is not None and t.state is TransferState.DONE and t.prompt and not t.claimed:
+            # its KV arrived whole (the first token ended the request): keep its prompt's
+            # full blocks for later reservations; the release below runs after (FIFO)
+            await self.engine.publish_if_owner(t.request_id, t.transfer_id, self.owner, list(t.prompt))
         if t is not None and not t.claimed and self.receiver.fail(
                 t.transfer_id, f"{why} by the caller{': ' + request.reason if request.reason else ''}"):
             self._reserved_tokens.pop(t.transfer_id, None)

@@ -171,6 +171,11 @@ class AsyncEngine:
     async def release(self, request_id: str) -> None:
         await self.call(lambda e: e.release(request_id))
 
+    async def publish_if_owner(self, request_id: str, transfer_id: str, owner: Mapping[str, str],
+                               prompt_token_ids: list[int]) -> int:
+        return await self.call(lambda e: e.publish_if_owner(request_id, transfer_id, owner,
+                                                            prompt_token_ids))
+
     async def release_if_owner(self, request_id: str, transfer_id: str,
                                owner: Mapping[str, str]) -> bool:
         return await self.call(lambda e: e.release_if_owner(request_id, transfer_id, owner))

@@ -82,6 +82,23 @@ class DisaggregationMixin:
         self.release(request_id)
         return True
 
+    def publish_if_owner(self, request_id: str, transfer_id: str, owner: Mapping[str, str],
+                         prompt_token_ids: list[int]) -> int:
+        """Decode side: make an unclaimed reservation's full prompt blocks findable by later
+        reservations, its KV having arrived whole (DONE) though no request will run on it (the
+        first token ended it). Only while `owner` names this transfer: a newer reservation's
+        blocks are not filled yet. -> blocks now registered."""
+        if owner.get(request_id) != transfer_id or request_id in self.requests:
+            return 0
+        held = len(self.kv.block_ids(request_id))
+        if not held or held != self.kv.blocks_for(len(prompt_token_ids)):
+            return 0
+        req = Request(request_id, list(prompt_token_ids), SamplingParams())
+        req.num_computed_tokens = req.num_prompt_tokens
+        before = len(self.kv.pool.cached)
+        self.kv.cache_full_blocks(req)
+        return len(self.kv.pool.cached) - before
+
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                       params: SamplingParams) -> RequestOutput | None:
         """Decode side: join a request whose prompt KV sits in its reserved blocks.

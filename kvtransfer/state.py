@@ -94,7 +94,7 @@ class Transfer:
     claimed: bool = False               # receiver: the decode request took over the blocks
     block_ids: list[int] | None = None  # receiver: the reserved blocks, when known at expect
     skip_blocks: int = 0                # receiver: leading prompt blocks decode already held
-    held_tokens: tuple = ()             # receiver: the prompt tokens those blocks hold
+    prompt: tuple = ()                  # receiver: the Reserve's prompt, when it came with one
 
     @property
     def duration_s(self) -> float:

@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from common.auth import ticket_refusal
+from common.auth import prompt_digest, ticket_refusal
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import inject_metadata, server_span, set_attrs, span
@@ -74,6 +74,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if request.ticket.num_tokens and n != request.ticket.num_tokens:
                     raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "
                                               f"is for {request.ticket.num_tokens}")
+                if request.ticket.prompt_digest and \
+                        prompt_digest(request.prompt_token_ids) != request.ticket.prompt_digest:
+                    raise InvalidRequestError("prompt_token_ids differ from the decode "
+                                              "reservation's (ticket.prompt_digest)")
                 skip = request.ticket.num_cached_blocks
                 if skip > (n - 1) // self.layout.block_size:  # NOTE: the last block always goes
                     raise InvalidRequestError(f"ticket.num_cached_blocks {skip} exceeds the "

@@ -130,3 +130,14 @@ def test_engine_sends_only_the_blocks_decode_lacks():
         while pre.has_unfinished():
             pre.step()
         pre.export_kv("x", 4)
+
+
+def test_publish_if_owner_only_for_the_current_reservation():
+    dec = _engine()
+    p = list(range(3, 3 + 40))  # 2 full blocks + 8 tokens
+    dec.reserve("r", len(p), p)
+    assert dec.publish_if_owner("r", "t-old", {"r": "t-new"}, p) == 0  # a newer reservation
+    assert dec.publish_if_owner("r", "t1", {"r": "t1"}, p[:20]) == 0  # not the reserved prompt
+    assert dec.publish_if_owner("r", "t1", {"r": "t1"}, p) == 2
+    dec.release("r")
+    assert len(dec.reserve("s", len(p), p)) == 1 and dec.kv.num_skipped_blocks("s") == 2

@@ -1,7 +1,9 @@
 """Prefix-aware KV handoff between real prefill and decode processes: a second prompt sharing
 three full blocks with the first moves only its last block (shm pool and grpc streaming), the
 decode metric counts the blocks not sent, greedy output equals the colocated engine, and a
-decode run with --no-prefix-caching moves every block. Bad input -> INVALID_ARGUMENT."""
+decode run with --no-prefix-caching moves every block, a reservation released after its KV
+arrived (the first token ended the request) still leaves its blocks for the next one. Bad input
+-> INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import asyncio
@@ -93,6 +95,14 @@ async def test_bad_input_is_invalid_argument(services):
                 request_id="forged", prompt_token_ids=p, params=pp, ticket=res.ticket), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_cached_blocks" in e.value.details()
         await c.decode.Release(decode_pb2.ReleaseRequest(request_id="forged"), timeout=5)
+        # prefill refuses a prompt other than the one decode reserved for (its digest is signed)
+        res = await c.decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="other", num_prompt_tokens=len(p), prompt_token_ids=p), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await c.prefill.Prefill(prefill_pb2.PrefillRequest(
+                request_id="other", prompt_token_ids=[7] + p[1:], params=pp, ticket=res.ticket), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_digest" in e.value.details()
+        await c.decode.Release(decode_pb2.ReleaseRequest(request_id="other"), timeout=5)
         # Decode's prompt must be Reserve's over the blocks decode holds
         ticket = (await c.decode.Reserve(decode_pb2.ReserveRequest(
             request_id="swap", num_prompt_tokens=len(p), prompt_token_ids=p), timeout=5)).ticket
@@ -111,5 +121,27 @@ async def test_bad_input_is_invalid_argument(services):
                 break
             await asyncio.sleep(0.1)
         assert load.kv_usage == 0 and load.reserved == 0, load
+    finally:
+        await c.close()
+
+
+async def test_released_after_arrival_still_publishes(services):
+    """The gateway releases a reservation whose first token ended the request (no Decode
+    comes): its KV arrived whole, so its prompt's full blocks serve the next reservation."""
+    pre, dec = services["prefill"], services["shm"]
+    p = list(range(200, 200 + 40))  # 2 full blocks + 8 tokens, a prefix no other test sends
+    c = Client(pre.address, dec.address)
+    try:
+        pp = params_to_pb(GREEDY)
+        ticket = (await c.decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="one", num_prompt_tokens=len(p), prompt_token_ids=p), timeout=5)).ticket
+        await c.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="one", prompt_token_ids=p, params=pp, ticket=ticket), timeout=10)
+        assert (await c.decode.Release(decode_pb2.ReleaseRequest(
+            request_id="one", transfer_id=ticket.transfer_id, reason="finished"), timeout=5)).found
+        again = (await c.decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="two", num_prompt_tokens=len(p), prompt_token_ids=p), timeout=5)).ticket
+        assert again.num_cached_blocks == 2
+        await c.decode.Release(decode_pb2.ReleaseRequest(request_id="two"), timeout=5)
     finally:
         await c.close()
