@@ -99,13 +99,14 @@ async def test_shared_prefix_is_not_sent_twice(services, engine):
     common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
     held = common // engine.cfg.cache.block_size
     assert held >= 3, f"the prompts share only {common} tokens"
+    want = [engine.tokenizer.decode(t) for t in engine.generate(ids, SamplingParams(max_tokens=6, temperature=0.0))]
     async with grpc.aio.insecure_channel(services.grpc_address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         reused = [_decode_reused_blocks(services)]
-        for p, toks in zip(prompts, ids):
+        for p, text in zip(prompts, want):
             resps = [r async for r in stub.Generate(generate_pb2.GenerateRequest(
-                prompt=p, max_tokens=N, sampling=generate_pb2.SamplingParams(temperature=0.0)))]
-            assert "".join(r.text for r in resps) == engine_text(engine, toks), services.logs()
+                prompt=p, max_tokens=6, sampling=generate_pb2.SamplingParams(temperature=0.0)))]
+            assert "".join(r.text for r in resps) == text, services.logs()
             reused.append(_decode_reused_blocks(services))
     assert reused[1] - reused[0] == 0  # nothing of the first prompt was held
     assert reused[2] - reused[1] == held, (reused, held, services.logs()[-3000:])
