@@ -158,7 +158,13 @@ def ticket_fields(ticket, request_id: str) -> tuple:
     return (request_id, ticket.transfer_id, ticket.decode_address, tuple(ticket.block_ids),
             ticket.block_size, ticket.num_tokens, ticket.expires_unix_ms,
             (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype), tuple(ticket.kv_backends),
-            (pair.store_address, pair.device, pair.device_uuid, pair.host_id))
+            (pair.store_address, pair.device, pair.device_uuid, pair.host_id),
+            ticket.num_cached_blocks, bytes(ticket.prompt_digest))
+
+
+def prompt_digest(token_ids) -> bytes:
+    """sha256 of a prompt's token ids (uint32 little endian): binds a ticket to one prompt."""
+    return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in token_ids)).digest()
 
 
 def sign_ticket(auth: InternalAuth | None, ticket, request_id: str) -> None:

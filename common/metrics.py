@@ -129,6 +129,13 @@ class ServiceMetrics:
                                             registry=r("kv"))
         self.kv_transfers = Counter("splitserve_kv_transfers", "KV transfers sent, by backend",
                                     ["backend"], registry=r("kv"))  # backend: grpc|dist|nixl|vmm|shm
+        self.kv_prefix_reused_blocks = Counter(
+            "splitserve_kv_prefix_reused_blocks",
+            "Prompt KV blocks not transferred because decode's prefix cache held them",
+            registry=r("kv"))
+        self.kv_prefix_reused_bytes = Counter(
+            "splitserve_kv_prefix_reused_bytes",
+            "KV bytes not transferred because decode's prefix cache held them", registry=r("kv"))
         self.kv_transfer_fallbacks = Counter(
             "splitserve_kv_transfer_fallbacks",
             "KV transfers sent over grpc because the pair could not use the selected backend",

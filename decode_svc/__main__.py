@@ -47,8 +47,9 @@ async def amain(args) -> int:
     from protos import decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
     backend = kv_backend_from_args(args, BACKENDS, backend_unavailable)
-    # NOTE: prefix caching is off on decode: its blocks are written by transfers, not computed
-    cfg = engine_config_from_args(args, prefix_caching=False, role="decode")
+    # prefix caching (unless --no-prefix-caching): a Reserve's prompt blocks already held here
+    # are not transferred again (engine/kv_cache.py: reserve)
+    cfg = engine_config_from_args(args, role="decode")
     telemetry.setup_tracing("splitserve-decode")
     engine = AsyncEngine(cfg)
     holder = {}

@@ -1,7 +1,9 @@
 """DecodeServicer: the gRPC edge of the decode service.
 
 Lifecycle of one request:
-  reserved   Reserve: engine.reserve pre-allocates blocks, KVReceiver.expect(transfer id)
+  reserved   Reserve: engine.reserve pre-allocates blocks, KVReceiver.expect(transfer id); given
+             the prompt, its leading full blocks found in our prefix cache are pinned instead
+             and named in ticket.num_cached_blocks: prefill sends only the blocks after them
   receiving  KV lands layer by layer in those blocks: KVTransfer.PushKV (grpc backend) or the
              pair's KVTransfer.PairSession (dist / nixl; tickets say which backends we accept)
   running    Decode: waits for the transfer DONE, claims it, engine.add_prefilled joins the batch
@@ -25,13 +27,13 @@ import uuid
 
 import grpc
 
-from common.auth import InternalAuth, caller_id, sign_ticket
+from common.auth import InternalAuth, caller_id, prompt_digest, sign_ticket
 from common.convert import FINISH_REASONS, load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import server_span, set_attrs
 from engine.request import RequestOutput
 from engine.sampling_params import InvalidRequestError
-from kvtransfer import KVReceiver, TransferError
+from kvtransfer import KVReceiver, TransferError, TransferState
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2
 
 log = logging.getLogger("splitserve.decode")
@@ -66,9 +68,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     # ---- Reserve ----------------------------------------------------------------------
     async def Reserve(self, request: decode_pb2.ReserveRequest, context):
         rid, n = request.request_id, request.num_prompt_tokens
+        prompt = [int(x) for x in request.prompt_token_ids] or None
         with server_span("decode.reserve", context, attributes={"splitserve.request_id": rid}):
             if not rid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            if prompt is not None and len(prompt) != n:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt_token_ids has {len(prompt)} tokens, "
+                                    f"num_prompt_tokens says {n}")
             if rid in self._running:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request id {rid!r} is already decoding")
@@ -86,7 +93,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.owner[rid] = tid
             self._callers[rid] = caller_id(context)
             try:  # frees what a failed / replaced earlier reservation of the id still holds
-                blocks = await self.engine.reserve_replacing(rid, n)
+                blocks = await self.engine.reserve_replacing(rid, n, prompt)
             except (InvalidRequestError, ValueError) as e:
                 self._disown(rid, tid)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -99,16 +106,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # NOTE: the caller may shorten the hold, never extend it past our cap
             timeout = min(request.timeout_ms / 1e3 if request.timeout_ms else self.reservation_timeout_s,
                           self.max_reservation_s)
-            self.receiver.expect(tid, rid, len(blocks), n, timeout, block_ids=blocks)
-            self._reserved_tokens[tid] = n
             lay = self.receiver.layout
+            held = -(-n // lay.block_size) - len(blocks)  # leading blocks our prefix cache holds
+            t = self.receiver.expect(tid, rid, len(blocks), n, timeout, block_ids=blocks,
+                                     skip_blocks=held)
+            t.prompt = tuple(prompt) if prompt is not None else ()
+            self._reserved_tokens[tid] = n
             ticket = common_pb2.TransferTicket(
                 transfer_id=tid, decode_address=self.address, block_ids=blocks,
                 block_size=lay.block_size, num_tokens=n, expires_ms=int(timeout * 1e3),
                 expires_unix_ms=int((time.time() + timeout) * 1e3),
                 layout=common_pb2.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                                            head_dim=lay.head_dim, dtype=lay.dtype),
-                kv_backends=self.kv_backends)
+                kv_backends=self.kv_backends, num_cached_blocks=held,
+                prompt_digest=prompt_digest(prompt) if prompt is not None else b"")
             if self.pair is not None:
                 ticket.pair.CopyFrom(self.pair.to_pb())
             sign_ticket(self.auth, ticket, rid)
@@ -150,6 +161,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if want is not None and len(request.prompt_token_ids) != want:
                     raise InvalidRequestError(f"prompt has {len(request.prompt_token_ids)} tokens "
                                               f"but transfer {tid} reserved {want}")
+                if t.prompt and tuple(request.prompt_token_ids) != t.prompt:
+                    # NOTE: the KV (held blocks and sent ones) is Reserve's prompt's, and the
+                    # prefix cache files it under these tokens: another prompt would poison it
+                    raise InvalidRequestError("prompt_token_ids differ from the Reserve's")
             except InvalidRequestError as e:
                 self.receiver.fail(tid, f"bad Decode request: {e}")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -173,7 +188,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._disown(rid, tid)
             wait_ms = (time.perf_counter() - t0) * 1e3
             self.metrics.observe_kv_transfer("recv", transfer.bytes_moved, transfer.transfer_s)
-            set_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved, "splitserve.kv.wait_ms": wait_ms})
+            if transfer.skip_blocks:
+                lay = self.receiver.layout
+                self.metrics.kv_prefix_reused_blocks.inc(transfer.skip_blocks)
+                self.metrics.kv_prefix_reused_bytes.inc(
+                    transfer.skip_blocks * lay.num_layers * lay.layer_nbytes(1))
+            set_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved, "splitserve.kv.wait_ms": wait_ms,
+                           "splitserve.kv.blocks_held": transfer.skip_blocks})
             try:
                 # NOTE: aclosing: a cancel that lands while we sit at `yield` still closes _stream
                 async with contextlib.aclosing(self._stream(rid, request, params, wait_ms)) as st:
@@ -329,6 +350,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         rid, tid = request.request_id, request.transfer_id
         t = self.receiver.get(tid) if tid else self.receiver.find_request(rid)
         await self._check_caller(t.request_id if t is not None else rid, context)
+        if t is not None and t.state is TransferState.DONE and t.prompt and not t.claimed:
+            # its KV arrived whole (the first token ended the request): keep its prompt's
+            # full blocks for later reservations; the release below runs after (FIFO)
+            await self.engine.publish_if_owner(t.request_id, t.transfer_id, self.owner, list(t.prompt))
         if t is not None and not t.claimed and self.receiver.fail(
                 t.transfer_id, f"{why} by the caller{': ' + request.reason if request.reason else ''}"):
             self._reserved_tokens.pop(t.transfer_id, None)

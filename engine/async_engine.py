@@ -157,8 +157,10 @@ class AsyncEngine:
         await self.call(lambda e: e.abort(request_id))
 
     # ---- disaggregation (engine/disaggregation.py), on the engine thread --------------
-    async def reserve_replacing(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
-        return await self.call(lambda e: e.reserve_replacing(request_id, num_prompt_tokens))
+    async def reserve_replacing(self, request_id: str, num_prompt_tokens: int,
+                                prompt_token_ids: list[int] | None = None) -> list[int] | None:
+        return await self.call(lambda e: e.reserve_replacing(request_id, num_prompt_tokens,
+                                                             prompt_token_ids))
 
     async def reserved_block_ids(self, request_id: str) -> list[int]:
         return await self.call(lambda e: e.reserved_block_ids(request_id))
@@ -169,11 +171,17 @@ class AsyncEngine:
     async def release(self, request_id: str) -> None:
         await self.call(lambda e: e.release(request_id))
 
+    async def publish_if_owner(self, request_id: str, transfer_id: str, owner: Mapping[str, str],
+                               prompt_token_ids: list[int]) -> int:
+        return await self.call(lambda e: e.publish_if_owner(request_id, transfer_id, owner,
+                                                            prompt_token_ids))
+
     async def release_if_owner(self, request_id: str, transfer_id: str,
                                owner: Mapping[str, str]) -> bool:
         return await self.call(lambda e: e.release_if_owner(request_id, transfer_id, owner))
 
-    async def stream_kv_layers(self, request_id: str, layers: asyncio.Queue) -> None:
+    async def stream_kv_layers(self, request_id: str, layers: asyncio.Queue,
+                               skip_blocks: int = 0) -> None:
         """Prefill side: the request's LayerExports land in `layers` (on this event loop) as
         the engine thread hands them out; raises InvalidRequestError for an id in use."""
         loop = asyncio.get_running_loop()
@@ -181,7 +189,7 @@ class AsyncEngine:
         def on_layer(x):  # NOTE: runs on the engine thread: only hand over
             loop.call_soon_threadsafe(layers.put_nowait, x)
 
-        await self.call(lambda e: e.stream_kv_layers(request_id, on_layer))
+        await self.call(lambda e: e.stream_kv_layers(request_id, on_layer, skip_blocks))
 
     async def precompile(self, params: SamplingParams) -> None:
         """Compile a response_format's grammar on a worker thread (seconds the first time), so
@@ -221,8 +229,8 @@ class AsyncEngine:
         """Engine.kv_block_view (fixed after start)."""
         return self.engine.kv_block_view()
 
-    async def export_kv(self, request_id: str) -> KVBlocks:
-        return await self.call(lambda e: e.export_kv(request_id))
+    async def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVBlocks:
+        return await self.call(lambda e: e.export_kv(request_id, skip_blocks))
 
     async def kv_scale_lists(self):
         return await self.call(lambda e: e.kv_scale_lists())

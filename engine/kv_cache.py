@@ -11,6 +11,10 @@ chain_hash_i = hash(key_i), so a block is reused only when its whole prefix matc
 - `cache_full_blocks(req)` (after each step) registers the blocks that
   req.num_computed_tokens has filled since the last call.
 - Freed blocks keep their key on an LRU free list until reallocated (then evicted from the map).
+- `reserve(rid, n, prompt)` (decode side) pins the prompt's cached leading full blocks the same
+  way and takes fresh blocks for the rest; a KV transfer writes only the fresh ones
+  (`transfer_block_ids`). Nothing is registered before the KV is in place (`add_prefilled`
+  calls `cache_full_blocks`), so a failed transfer publishes no block.
 
 Stats: prefix_queries / prefix_hits count tokens, committed when the allocation that follows
 `get_computed_blocks` succeeds (a failed admission that is retried later is counted once).
@@ -32,6 +36,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         # chain hashes of the leading full blocks already registered / hit, per request
         self._hashes: dict[str, list[int]] = {}
+        # reservations: leading blocks of the table that were prefix-cache hits (no transfer)
+        self._skip: dict[str, int] = {}
         self._pending_stats: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -67,20 +73,15 @@ class KVCacheManager:
         bs = self.block_size
         return (parent, tuple(tokens[i * bs:(i + 1) * bs]))
 
-    def get_computed_blocks(self, req: Request) -> int:
-        """Attach cached leading full blocks to a request that holds none; return #tokens hit."""
-        rid = req.request_id
-        if self._tables.get(rid):
-            raise RuntimeError(f"get_computed_blocks: request {rid!r} already holds blocks")
-        tokens = req.all_token_ids
-        if not self.enable_prefix_caching:
-            self._pending_stats[rid] = (len(tokens), 0)
-            return 0
-        max_blocks = (len(tokens) - 1) // self.block_size
+    def _match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Pin (ref++) the cached leading full blocks of `tokens`, the last token excluded
+        (it must be computed or sent to produce logits). -> (block ids, their chain hashes)."""
         table: list[int] = []
         hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return table, hashes
         parent = None
-        for i in range(max_blocks):
+        for i in range((len(tokens) - 1) // self.block_size):
             key = self._key(parent, tokens, i)
             bid = self.pool.lookup(key)
             if bid is None:
@@ -89,6 +90,15 @@ class KVCacheManager:
             table.append(bid)
             parent = hash(key)
             hashes.append(parent)
+        return table, hashes
+
+    def get_computed_blocks(self, req: Request) -> int:
+        """Attach cached leading full blocks to a request that holds none; return #tokens hit."""
+        rid = req.request_id
+        if self._tables.get(rid):
+            raise RuntimeError(f"get_computed_blocks: request {rid!r} already holds blocks")
+        tokens = req.all_token_ids
+        table, hashes = self._match(tokens)
         if table:
             self._tables[rid] = table
             self._hashes[rid] = hashes
@@ -175,22 +185,42 @@ class KVCacheManager:
             self.prefix_hits += pending[1]
         return True
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Decode side: fresh blocks for an incoming KV of num_tokens tokens, or None."""
+    def reserve(self, request_id: str, num_tokens: int,
+                prompt_token_ids: list[int] | None = None) -> list[int] | None:
+        """Decode side: blocks for an incoming KV of num_tokens tokens, or None (nothing held).
+        With the prompt, its cached leading full blocks are pinned and head the table; the
+        return value is only the fresh blocks a transfer must fill (`transfer_block_ids`)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_tokens:
+            raise ValueError(f"{len(prompt_token_ids)} prompt tokens given for a reservation "
+                             f"of {num_tokens}")
         if self._tables.get(request_id):
             raise ValueError(f"request {request_id!r} already holds KV blocks")
-        new = self.pool.take(self.blocks_for(num_tokens))
+        hit, hashes = self._match(list(prompt_token_ids)) if prompt_token_ids else ([], [])
+        new = self.pool.take(self.blocks_for(num_tokens) - len(hit))
         if new is None:
+            self.pool.release(hit[::-1])  # unpin: they go back to the cached LRU
             return None
-        self._tables[request_id] = new
+        self._tables[request_id] = hit + new
+        if hit:
+            self._hashes[request_id] = hashes
+            self._skip[request_id] = len(hit)
         return list(new)
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """Leading blocks of a reservation that its transfer does not write (cache hits)."""
+        return self._skip.get(request_id, 0)
+
+    def transfer_block_ids(self, request_id: str) -> list[int]:
+        """The blocks a reservation's KV transfer writes, in order (a copy)."""
+        return list(self._tables.get(request_id, ()))[self._skip.get(request_id, 0):]
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks (ref--); idempotent."""
         self._pending_stats.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        self._skip.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table:
             if self.fence:

@@ -90,13 +90,19 @@ class LayerStreamer:
         self.kv_scales = kv_scales
         self.device = torch.device(device)
         self.callbacks: dict[str, Callable[[LayerExport], None]] = {}
+        self.skip: dict[str, int] = {}  # leading blocks not exported (the receiver holds them)
         self._rows: list[_Row] = []
 
-    def register(self, request_id: str, on_layer: Callable[[LayerExport], None]) -> None:
+    def register(self, request_id: str, on_layer: Callable[[LayerExport], None],
+                 skip_blocks: int = 0) -> None:
+        if skip_blocks < 0:
+            raise ValueError(f"skip_blocks must be >= 0, got {skip_blocks}")
         self.callbacks[request_id] = on_layer
+        self.skip[request_id] = skip_blocks
 
     def unregister(self, request_id: str) -> None:
         self.callbacks.pop(request_id, None)
+        self.skip.pop(request_id, None)
 
     def begin_step(self, rows: list[tuple[str, list[int], int]]) -> Callable[[int], None] | None:
         """rows: (request id, block ids, prompt tokens) of streamed requests whose prompt ends
@@ -107,7 +113,8 @@ class LayerStreamer:
             if cb is None:
                 continue
             n_blocks = -(-n_tokens // self.kv_caches[0].shape[2])
-            idx = torch.tensor(block_ids[:n_blocks], dtype=torch.long, device=self.device)
+            skip = min(self.skip.get(rid, 0), n_blocks - 1)  # NOTE: at least one block goes
+            idx = torch.tensor(block_ids[skip:n_blocks], dtype=torch.long, device=self.device)
             self._rows.append(_Row(rid, idx, n_tokens, cb))
         return self.hook if self._rows else None
 
@@ -121,7 +128,7 @@ class LayerStreamer:
         for row in self._rows:
             for i in range(row.emitted, len(self.kv_caches)):
                 self._emit(row, i)
-            self.callbacks.pop(row.request_id, None)  # one prompt, one export
+            self.unregister(row.request_id)  # one prompt, one export
         self._rows = []
 
     def _emit(self, row: _Row, i: int) -> None:

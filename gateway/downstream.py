@@ -111,6 +111,7 @@ class Downstream:
                 try:
                     resp = await r.stub.Reserve(decode_pb2.ReserveRequest(
                         request_id=req.request_id, num_prompt_tokens=len(req.prompt_token_ids),
+                        prompt_token_ids=req.prompt_token_ids,  # decode skips the blocks it holds
                         max_tokens=req.params.max_tokens), timeout=RESERVE_TIMEOUT_S,
                         metadata=telemetry.inject_metadata())
                     return r, resp.ticket, None

@@ -58,10 +58,14 @@ class KVReceiver:
 
     # ---- decode-service side ---------------------------------------------------------
     def expect(self, transfer_id: str, request_id: str, num_blocks: int, num_tokens: int,
-               timeout_s: float | None = None, block_ids: list[int] | None = None) -> Transfer:
+               timeout_s: float | None = None, block_ids: list[int] | None = None,
+               skip_blocks: int = 0) -> Transfer:
+        """num_blocks / block_ids: what the transfer writes, the prompt's blocks from
+        `skip_blocks` on (the leading ones decode already holds are not sent)."""
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id!r} already exists")
-        t = Transfer(transfer_id, request_id, block_ids=list(block_ids) if block_ids is not None else None)
+        t = Transfer(transfer_id, request_id, block_ids=list(block_ids) if block_ids is not None else None,
+                     skip_blocks=skip_blocks)
         t.deadline = t.created + (timeout_s if timeout_s else self.default_timeout_s)
         self._transfers[transfer_id] = t
         self._meta[transfer_id] = (num_blocks, num_tokens)
@@ -188,6 +192,10 @@ class KVReceiver:
         missing = sorted(set(range(self.layout.num_layers)) - t.layers_done)
         if missing:
             raise TransferError(f"commit with layers {missing[:8]} missing")
+        want = -(-self._meta[transfer_id][1] // self.layout.block_size) - t.skip_blocks
+        if t.skip_blocks and t.num_blocks != want:  # the sender skipped another count of blocks
+            raise TransferError(f"{t.num_blocks} blocks sent, {want} expected after the "
+                                f"{t.skip_blocks} decode holds")
         if t.k_scales or t.v_scales:
             n = self.layout.num_layers
             if len(t.k_scales) != n or len(t.v_scales) != n:

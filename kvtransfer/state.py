@@ -93,6 +93,8 @@ class Transfer:
     finished_at: float | None = None
     claimed: bool = False               # receiver: the decode request took over the blocks
     block_ids: list[int] | None = None  # receiver: the reserved blocks, when known at expect
+    skip_blocks: int = 0                # receiver: leading prompt blocks decode already held
+    prompt: tuple = ()                  # receiver: the Reserve's prompt, when it came with one
 
     @property
     def duration_s(self) -> float:

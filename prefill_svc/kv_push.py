@@ -11,6 +11,10 @@ never touches decode's reservation).
 Pool backends (vmm, shm) move no layers from here: once the prompt's forward is done, `handoff`
 names the request's blocks in prefill's shared pool and decode copies them (one call).
 
+Every backend sends the prompt's blocks from ticket.num_cached_blocks on: decode already holds
+the leading ones (its prefix cache); the layer stream skips them at the gather, the handoff
+and its grpc fallback here.
+
 Backend choice: the service's --kv-transfer-backend when decode's ticket accepts it and the
 pair can use it (kvtransfer.endpoint.choose_backend; `auto`: the pool backend on one host),
 else grpc. A fallback is logged (once per
@@ -109,7 +113,9 @@ class KVPusher:
         """Pool backends, after the prompt's forward: decode copies the request's blocks
         (`block_ids`: from the engine's final output) from our pool. -> (bytes, backend).
         A decode that cannot map the pool gets the KV over grpc."""
+        skip = ticket.num_cached_blocks
         ids = block_ids if block_ids is not None else await engine.reserved_block_ids(request_id)
+        ids = ids[skip:]
         ks = vs = None
         if self.layout.dtype == "fp8_e4m3":
             ks, vs = await engine.kv_scale_lists()
@@ -118,7 +124,7 @@ class KVPusher:
                                                 num_tokens, ks, vs, self.timeout_s, metadata)
         except PoolUnreachable as e:  # nothing was touched on decode: send it the old way
             self._fallback(ticket.decode_address, "pool_unreachable", str(e))
-            blocks = await engine.export_kv(request_id)
+            blocks = await engine.export_kv(request_id, skip)
             nbytes = await send_blocks(self.senders["grpc"], ticket.decode_address, ticket.transfer_id,
                                        request_id, blocks, self.layout, self.timeout_s, metadata)
             self.metrics.kv_transfers.labels(backend="grpc").inc()

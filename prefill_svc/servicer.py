@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from common.auth import ticket_refusal
+from common.auth import prompt_digest, ticket_refusal
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import inject_metadata, server_span, set_attrs, span
@@ -74,6 +74,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if request.ticket.num_tokens and n != request.ticket.num_tokens:
                     raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "
                                               f"is for {request.ticket.num_tokens}")
+                if request.ticket.prompt_digest and \
+                        prompt_digest(request.prompt_token_ids) != request.ticket.prompt_digest:
+                    raise InvalidRequestError("prompt_token_ids differ from the decode "
+                                              "reservation's (ticket.prompt_digest)")
+                skip = request.ticket.num_cached_blocks
+                if skip > (n - 1) // self.layout.block_size:  # NOTE: the last block always goes
+                    raise InvalidRequestError(f"ticket.num_cached_blocks {skip} exceeds the "
+                                              f"{(n - 1) // self.layout.block_size} full blocks "
+                                              f"before a {n}-token prompt's last token")
                 params = params_from_pb(request.params)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -88,7 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             try:
                 if not pool:
                     try:
-                        await self.engine.stream_kv_layers(rid, layers)
+                        await self.engine.stream_kv_layers(rid, layers, skip)
                     except InvalidRequestError as e:  # e.g. a duplicate id: nothing of ours is held
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     added = True
@@ -161,8 +170,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._prompt_tokens += len(prompt)
             tok = first.new_token_ids[0]
             lp = logprob_to_pb(first.logprobs[0], tok) if first.logprobs else None
-            n_blocks = -(-len(prompt) // self.layout.block_size)
+            n_blocks = -(-len(prompt) // self.layout.block_size) - skip
             set_attrs(sp, {"splitserve.kv.bytes": nbytes, "splitserve.kv.blocks": n_blocks,
+                           "splitserve.kv.blocks_held_by_decode": skip,
                            "splitserve.kv.backend": backend,
                            "gen_ai.usage.cache_read.input_tokens": first.num_cached_tokens})
             return prefill_pb2.PrefillResponse(

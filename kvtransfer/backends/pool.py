@@ -157,10 +157,10 @@ class PoolImporter:
         t = self.receiver.check_open(transfer_id)
         peer = await self._peer(address, pool_id)
         lay = self.receiver.layout
-        n = -(-num_tokens // lay.block_size)
+        n = -(-num_tokens // lay.block_size) - t.skip_blocks  # src_ids: from the first block sent
         # the ids from the reservation itself: asking the engine thread would wait out its step
         dst_ids = t.block_ids if t.block_ids is not None else list(await self.block_ids_of(t.request_id))
-        if num_tokens < 1 or len(src_ids) < n or len(dst_ids) < n:
+        if n < 1 or len(src_ids) < n or len(dst_ids) < n:
             self.receiver.fail(transfer_id, f"handoff of {num_tokens} tokens names {len(src_ids)} "
                                f"prefill blocks for {len(dst_ids)} reserved")
             raise TransferError(f"bad handoff for transfer {transfer_id}")

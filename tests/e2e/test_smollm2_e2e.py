@@ -1,11 +1,15 @@
 """Where text matters: the embedded SmolLM2-135M-Instruct through the three real processes.
 Greedy text through gRPC (raw prompt), REST chat (openai client, stream and not) equals the
-engine's own greedy output; a stop string cuts the text exactly where it first appears."""
+engine's own greedy output; a stop string cuts the text exactly where it first appears; a second
+prompt sharing a long prefix moves only the KV blocks decode does not hold yet."""
 from __future__ import annotations
+
+import urllib.request
 
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -77,3 +81,32 @@ def test_openai_chat_text_equals_engine(services, engine):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=N, temperature=0, stream=True) if ch.choices)
     assert streamed == want
+
+
+def _decode_reused_blocks(services) -> float:
+    url = f"http://127.0.0.1:{services.decodes[0].metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "splitserve_kv_prefix_reused_blocks_total")
+
+
+async def test_shared_prefix_is_not_sent_twice(services, engine):
+    """Two prompts sharing a long prefix through the gateway: decode holds the first's full
+    blocks, so the second's transfer skips them; greedy text still equals the engine's."""
+    system = "A geography teacher wrote these facts about Europe for a class of twelve-year-olds. " * 3
+    prompts = [system + "The capital of France is", system + "The capital of Italy is"]
+    ids = [engine.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    held = common // engine.cfg.cache.block_size
+    assert held >= 3, f"the prompts share only {common} tokens"
+    want = [engine.tokenizer.decode(t) for t in engine.generate(ids, SamplingParams(max_tokens=6, temperature=0.0))]
+    async with grpc.aio.insecure_channel(services.grpc_address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        reused = [_decode_reused_blocks(services)]
+        for p, text in zip(prompts, want):
+            resps = [r async for r in stub.Generate(generate_pb2.GenerateRequest(
+                prompt=p, max_tokens=6, sampling=generate_pb2.SamplingParams(temperature=0.0)))]
+            assert "".join(r.text for r in resps) == text, services.logs()
+            reused.append(_decode_reused_blocks(services))
+    assert reused[1] - reused[0] == 0  # nothing of the first prompt was held
+    assert reused[2] - reused[1] == held, (reused, held, services.logs()[-3000:])

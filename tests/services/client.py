@@ -22,7 +22,8 @@ class Client:
         """Reserve + Prefill; -> (ticket, prefill response, Decode call (not yet read))."""
         pp = params_to_pb(params)
         res = await self.decode.Reserve(decode_pb2.ReserveRequest(
-            request_id=rid, num_prompt_tokens=len(prompt), max_tokens=params.max_tokens), timeout=10)
+            request_id=rid, num_prompt_tokens=len(prompt), prompt_token_ids=prompt,
+            max_tokens=params.max_tokens), timeout=10)
         pre = await self.prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, params=pp, ticket=res.ticket), timeout=30)
         call = self.decode.Decode(decode_pb2.DecodeRequest(

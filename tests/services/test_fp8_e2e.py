@@ -1,5 +1,6 @@
 """fp8 KV cache across real prefill/decode processes: the blocks and their per-layer scales
-travel, and greedy output equals one fp8 engine doing everything."""
+travel, and greedy output equals one fp8 engine doing everything, also for a repeat whose
+leading blocks decode already holds (only the last block is sent)."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,10 @@ async def test_fp8_kv_disagg_equals_colocated():
         c = Client(pre.address, dec.address)
         try:
             got, _ = await c.generate("fp8", prompt, params)
+            ticket, pre_resp, call = await c.start("fp8-again", prompt, params)
+            again = [pre_resp.first_token_id]
+            async for m in call:
+                again += list(m.token_ids)
         finally:
             await c.close()
     eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
@@ -32,3 +37,4 @@ async def test_fp8_kv_disagg_equals_colocated():
         for o in eng.step():
             want += o.new_token_ids
     assert got == want
+    assert ticket.num_cached_blocks == 2 and again == want

@@ -21,8 +21,9 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def _kv_bytes(ticket, n_tokens: int, elem: int) -> int:
+    """What moves: the prompt's blocks less those decode already held."""
     lay = ticket.layout
-    blocks = -(-n_tokens // ticket.block_size)
+    blocks = -(-n_tokens // ticket.block_size) - ticket.num_cached_blocks
     return blocks * ticket.block_size * lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * elem
 
 
