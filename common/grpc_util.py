@@ -107,11 +107,14 @@ def run(main: Callable[[], Awaitable[int | None]]) -> int:
     return asyncio.run(main()) or 0
 
 
-def create_server(auth=None, interceptors=()) -> grpc.aio.Server:
+def create_server(auth=None, interceptors=(), options=()) -> grpc.aio.Server:
     """auth: common.auth.InternalAuth of an internal service (its credentials are checked on
-    every RPC but health), None for a public one; interceptors: more, after auth's."""
+    every RPC but health), None for a public one; interceptors: more, after auth's; options:
+    (name, value) pairs replacing or adding to server_options()."""
     icpt = [*(auth.server_interceptors() if auth is not None else ()), *interceptors]
-    return grpc.aio.server(options=server_options(), interceptors=icpt or None)
+    opts = dict(server_options())
+    opts.update(options)
+    return grpc.aio.server(options=list(opts.items()), interceptors=icpt or None)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, auth=None) -> int:
