@@ -4,10 +4,10 @@ by the same models).
 
 Strict mode: no coercion ("5" is not an integer, true is not a number); integers are accepted
 where numbers are, and an integral number (5.0) where integers are, as JSON Schema's "integer"
-(the published /openapi.json) says. Every number has a range (the engine's and the wire's: uint32 token counts,
-int64 seeds), floats must be finite. A field's own rule is phrased to follow its quoted name
-("'stop' must be ..."); gateway/validate.py turns errors into a 400 / INVALID_ARGUMENT naming
-the field. Unknown fields are ignored, as OpenAI's SDKs send extras.
+(the published /openapi.json) says. Every number has a range (the engine's and the wire's:
+uint32 token counts, int64 seeds), floats must be finite. A field's own rule is phrased to
+follow its quoted name ("'stop' must be ..."); gateway/validate.py turns errors into a 400 /
+INVALID_ARGUMENT naming the field. Unknown fields are ignored, as OpenAI's SDKs send extras.
 """
 from __future__ import annotations
 
