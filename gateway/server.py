@@ -77,6 +77,9 @@ def public_grpc_options(cfg: GatewayConfig) -> list[tuple[str, int]]:
         ("grpc.max_metadata_size", 16 << 10),
         # a connection that has not finished its HTTP/2 (and TLS) handshake by then is closed
         ("grpc.server_handshake_timeout_ms", 10_000),
+        # a client that stops answering keepalive pings (frozen, gone without a FIN) is dropped
+        # and its calls cancelled ~20 s on; without it the ping waits 60 s for its ack
+        ("grpc.http2.ping_timeout_ms", 10_000),
     ]
 
 

@@ -3,19 +3,24 @@ the fake services (decode: 20 ms a token). Huge metadata and oversized messages 
 once (RESOURCE_EXHAUSTED) and the next call is served; one connection runs at most
 --grpc-max-streams-per-connection calls at once (others on it wait or are refused, never run)
 while another connection is served; connections that never finish their HTTP/2 handshake do not
-block anyone and are closed by the server after its handshake timeout."""
+block anyone and are closed by the server after its handshake timeout; a client frozen mid-stream
+is dropped (its decode stream cancelled) within ~20 s of keepalive."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
 import pytest
 
 from protos import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
-from tests.harness import spawn
+from tests.harness import ROOT, child_env, spawn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -32,7 +37,7 @@ def gateway():
         fakes.wait_ready(60)
         gw = spawn("gateway", "gateway", [
             "--port", "0", "--http-port", "-1", "--model", "dummy:tiny-llama", "--max-model-len",
-            "256", "--poll-interval", "0.2", "--prefill", fakes.address,
+            "8192", "--poll-interval", "0.2", "--prefill", fakes.address,
             "--decode", f"127.0.0.1:{fakes.ports[1]}",
             "--grpc-max-streams-per-connection", str(STREAMS)])
         gw.wait_ready(120)
@@ -138,3 +143,34 @@ async def test_silent_connections_block_no_one_and_are_closed(gateway):
     finally:
         for s in silent:
             s.close()
+
+
+FROZEN_CLIENT = """
+import sys, grpc
+from protos import generate_pb2, generate_pb2_grpc
+ch = grpc.insecure_channel(sys.argv[1])
+req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6]), max_tokens=4000,
+                                   ignore_eos=True)
+for i, _ in enumerate(generate_pb2_grpc.GenerationStub(ch).Generate(req)):
+    if i == 3:
+        print("streaming", flush=True)
+"""
+
+
+@pytest.mark.slow
+async def test_a_client_frozen_mid_stream_is_dropped(gateway):
+    address, decode = gateway
+    p = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, address], cwd=ROOT, env=child_env(),
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(p.stdout.readline)).strip() == "streaming"
+        os.kill(p.pid, signal.SIGSTOP)  # its TCP stays up; it answers no keepalive ping
+        t0 = time.monotonic()
+        assert (await _load(decode)).running == 1
+        while (await _load(decode)).running:
+            assert time.monotonic() - t0 < 35, "the frozen client's stream still runs"
+            await asyncio.sleep(0.5)
+        print(f"frozen client dropped after {time.monotonic() - t0:.1f} s")
+    finally:
+        p.kill()
+        p.wait()
