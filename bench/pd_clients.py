@@ -294,8 +294,9 @@ def log_reason(text: str) -> str:
     return (errs or lines or ["(no output)"])[-1][:300]
 
 
-def wait_up(up, log_path: str, timeout_s: float) -> tuple[str, str]:
-    """-> (REST base URL, gRPC address) once `up` printed them and /health answers 200."""
+def wait_up(up, log_path: str, timeout_s: float, ssl_context=None) -> tuple[str, str]:
+    """-> (REST base URL, gRPC address) once `up` printed them and /health answers 200
+    (ssl_context: how to trust an https front)."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = open(log_path).read()
@@ -306,11 +307,11 @@ def wait_up(up, log_path: str, timeout_s: float) -> tuple[str, str]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"`up` not up after {timeout_s:.0f} s: {log_reason(text)}")
         time.sleep(0.25)
-    rest = re.search(r"REST \(OpenAI\)\s+(http://\S+)/v1", text).group(1)
+    rest = re.search(r"REST \(OpenAI\)\s+(https?://\S+)/v1", text).group(1)
     grpc_addr = re.search(r"gRPC\s+(\S+:\d+)", text).group(1)
     while True:  # the gateway answers 503 until it has seen both services healthy
         try:
-            if urllib.request.urlopen(rest + "/health", timeout=5).status == 200:
+            if urllib.request.urlopen(rest + "/health", timeout=5, context=ssl_context).status == 200:
                 return rest, grpc_addr
         except OSError as ex:  # HTTPError (503) and connection errors
             if time.monotonic() > deadline:

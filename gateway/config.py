@@ -31,6 +31,7 @@ class GatewayConfig:
     poll_interval_s: float = 0.5
     default_max_tokens: int | None = None  # None: until an end token or the end of the context
     max_body_bytes: int = 1 << 20  # REST body; also gRPC prompt / chat / Tokenize text
+    grpc_max_streams_per_connection: int = 1024  # public gRPC: calls at once on one connection
     max_tokens_over_context: str = "error"  # max_tokens beyond the context: error (400) | cap
     transfer_timeout_ms: int = 30000
     prefill_on_decode: str = "never"  # never | auto (decode and prefill share a GPU) | always
@@ -57,6 +58,9 @@ class GatewayConfig:
                 raise ValueError(f"replica address {a!r} must be host:port")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.grpc_max_streams_per_connection < 1:
+            raise ValueError("--grpc-max-streams-per-connection must be >= 1, got "
+                             f"{self.grpc_max_streams_per_connection}")
         if self.max_tokens_over_context not in MAX_TOKENS_OVER_CONTEXT:
             raise ValueError(f"max_tokens_over_context must be one of {MAX_TOKENS_OVER_CONTEXT}")
         if self.poll_interval_s <= 0:
@@ -127,6 +131,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-cert", default=env_str("SPLITSERVE_TLS_CERT"),
                    help="serve REST and gRPC over TLS with this certificate (PEM, with --tls-key)")
     g.add_argument("--tls-key", default=env_str("SPLITSERVE_TLS_KEY"))
+    g.add_argument("--grpc-max-streams-per-connection", type=int,
+                   default=env_int("SPLITSERVE_GRPC_MAX_STREAMS_PER_CONNECTION", 1024),
+                   help="public gRPC: calls one connection may run at once (HTTP/2 "
+                        "max_concurrent_streams, default 1024). A call over it may be refused "
+                        "(UNAVAILABLE, safe to retry) rather than queued; raise it behind a proxy "
+                        "that multiplexes many clients onto few connections")
     g.add_argument("--max-concurrency-per-key", type=int,
                    default=env_int("SPLITSERVE_MAX_CONCURRENCY_PER_KEY"),
                    help="running requests per API key (all callers together without keys); "
@@ -150,6 +160,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         prefill=_addrs(a.prefill, DEFAULT_PREFILL), decode=_addrs(a.decode, DEFAULT_DECODE),
         poll_interval_s=a.poll_interval, default_max_tokens=a.default_max_tokens,
         max_body_bytes=a.max_body_bytes, max_tokens_over_context=a.max_tokens_over_context,
+        grpc_max_streams_per_connection=a.grpc_max_streams_per_connection,
         admission=AdmissionConfig(default_ttft_ms=a.default_ttft_ms, default_tpot_ms=a.default_tpot_ms,
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s),

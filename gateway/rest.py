@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import openai_api as oa
 from gateway.core import GatewayCore
+from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, openapi_body
 from gateway.types import GatewayError
 from gateway.validate import Limits, read_json_body
 
@@ -60,6 +61,7 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
               max_body_bytes: int = 1 << 20, max_tokens_over_context: str = "error") -> FastAPI:
     """default_max_tokens: for requests without max_tokens; None = until an end token or the
     end of the context. max_tokens_over_context: "error" (400) or "cap"."""
+    # /openapi.json documents every route and request body (the property tests generate from it)
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
     served = [core.model_name]
     limits = Limits(core.max_model_len, core.vocab_size, default_max_tokens,
@@ -90,11 +92,11 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
             {"id": m, "object": "model", "created": 0, "owned_by": "splitserve",
              "max_model_len": core.max_model_len} for m in served]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeBody))
     async def tokenize(request: Request):
         return await oa.tokenize(await read_json_body(request, max_body_bytes), core, served)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeBody))
     async def detokenize(request: Request):
         return oa.detokenize(await read_json_body(request, max_body_bytes), core, served)
 
@@ -195,11 +197,11 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
             await agen.aclose()
         yield sse("[DONE]")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
     async def completions(request: Request):
         return await handle(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatBody))
     async def chat(request: Request):
         return await handle(request, "chat")
 

@@ -65,6 +65,24 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
     return core
 
 
+def public_grpc_options(cfg: GatewayConfig) -> list[tuple[str, int]]:
+    """Limits of the public gRPC front against hostile clients (the internal plane keeps
+    common.grpc_util.server_options: its KV chunks need the large messages)."""
+    return [
+        # a message is a prompt (text <= max_body_bytes) and its fields: a larger one is refused
+        # by its length prefix, before it is buffered
+        ("grpc.max_receive_message_length", cfg.max_body_bytes + (1 << 20)),
+        ("grpc.max_concurrent_streams", cfg.grpc_max_streams_per_connection),
+        # request metadata beyond this is refused (a few keys, a bearer token, a traceparent)
+        ("grpc.max_metadata_size", 16 << 10),
+        # a connection that has not finished its HTTP/2 (and TLS) handshake by then is closed
+        ("grpc.server_handshake_timeout_ms", 10_000),
+        # a client that stops answering keepalive pings (frozen, gone without a FIN) is dropped
+        # and its calls cancelled ~20 s on; without it the ping waits 60 s for its ack
+        ("grpc.http2.ping_timeout_ms", 10_000),
+    ]
+
+
 async def serve(cfg: GatewayConfig) -> int:
     from common import grpc_util
     from gateway.grpc_server import add_to_server
@@ -73,7 +91,8 @@ async def serve(cfg: GatewayConfig) -> int:
     meta = await asyncio.to_thread(load_model_meta, cfg)
     core = build_core(cfg, meta)
     front = PublicAuth.create(cfg.api_keys, cfg.tls_cert, cfg.tls_key, cfg.max_concurrency_per_key)
-    server = grpc_util.create_server(interceptors=front.grpc_interceptors())
+    server = grpc_util.create_server(interceptors=front.grpc_interceptors(),
+                                     options=public_grpc_options(cfg))
     add_to_server(server, core, cfg.default_max_tokens, cfg.max_tokens_over_context,
                   cfg.max_body_bytes)
     hs = grpc_util.add_health_and_reflection(server, [SERVICE])

@@ -260,32 +260,59 @@ def _connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def served_model_name(grpc_addr: str) -> str | None:
-    """The name clients must send as "model", from the gateway's ModelInfo (None if it fails)."""
+def gateway_front(gw_args: list[str]) -> tuple[str | None, str | None]:
+    """-> (an API key the gateway accepts, its TLS certificate path), each None when off: read
+    from the gateway's own flags and environment, as the gateway reads them."""
+    from gateway.auth import collect_keys
+    from gateway.config import add_args as gateway_add_args
+
+    p = argparse.ArgumentParser(add_help=False)
+    gateway_add_args(p)
+    g, _ = p.parse_known_args(gw_args)
+    try:
+        keys = collect_keys(g.api_key, g.api_key_file)
+    except (OSError, ValueError):  # the gateway itself reports a bad key file
+        keys = ()
+    return (keys[0] if keys else None), g.tls_cert
+
+
+def served_model_name(grpc_addr: str, api_key: str | None = None, tls_cert: str | None = None
+                      ) -> str | None:
+    """The name clients must send as "model", from the gateway's ModelInfo (None if it fails),
+    asked with the gateway's own key and over TLS trusting its own certificate."""
     try:
         import grpc
 
         from protos import generate_pb2, generate_pb2_grpc
 
-        with grpc.insecure_channel(grpc_addr) as ch:
+        if tls_cert:
+            with open(tls_cert, "rb") as f:
+                ch = grpc.secure_channel(grpc_addr, grpc.ssl_channel_credentials(f.read()))
+        else:
+            ch = grpc.insecure_channel(grpc_addr)
+        md = [("authorization", f"Bearer {api_key}")] if api_key else None
+        with ch:
             return generate_pb2_grpc.GenerationStub(ch).ModelInfo(
-                generate_pb2.ModelInfoRequest(), timeout=10).model
+                generate_pb2.ModelInfoRequest(), timeout=10, metadata=md).model
     except Exception:  # noqa: BLE001 - the banner prints what it can
         return None
 
 
 def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, gport, hport,
-           pport, dport, mports=("-1", "-1")) -> str:
+           pport, dport, mports=("-1", "-1"), front: tuple[str | None, str | None] = (None, None)
+           ) -> str:
+    """front: the gateway's (API key, TLS certificate), see gateway_front."""
     host = _connect_host(a.host)
     h = f"[{host}]" if ":" in host else host
-    name = served_model_name(f"{h}:{gport}")
+    name = served_model_name(f"{h}:{gport}", *front)
     export = "splitserve tokenizer export"
     if a.model != "default":
         export += f" --model {a.model}"
     served_flag = _gateway_shared_flags(engine_args)
     if "--served-model-name" in served_flag:
         export += f" --served-model-name {served_flag[served_flag.index('--served-model-name') + 1]}"
-    rest = (f"http://{h}:{hport}/v1   (also /tokenize, /detokenize, /health, /metrics)"
+    scheme = "https" if front[1] else "http"
+    rest = (f"{scheme}://{h}:{hport}/v1   (also /tokenize, /detokenize, /health, /metrics)"
             if str(hport) != "-1" else "off")
     metrics = "   ".join(f"{n} http://{h}:{p}/metrics" for n, p in zip(("prefill", "decode"), mports)
                            if str(p) != "-1") or "prefill / decode off (--metrics-ports)"
@@ -380,7 +407,7 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
         ready = wait_ready(children, a.ready_timeout)
         gport, hport = ready["gateway"][0], ready["gateway"][1]
         print(banner(a, engine_args, backend, gport, hport, pport, dport,
-                     (ready["prefill"][1], ready["decode"][1])), flush=True)
+                     (ready["prefill"][1], ready["decode"][1]), gateway_front(gw_args)), flush=True)
         def respawn(name: str, argv: list[str], ready_file: str, restarts: int) -> Child:
             return Child(name, argv, ready_file, {**env, "SPLITSERVE_RESTARTS": str(restarts)})
 

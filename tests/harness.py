@@ -226,10 +226,11 @@ class Up:
 
 @contextlib.contextmanager
 def splitserve_up(args: list[str], *, cmd: list[str] | None = None, cwd=ROOT, env: dict | None = None,
-                  timeout_s: float = 120.0):
+                  timeout_s: float = 120.0, ssl_context=None):
     """`splitserve up ARGS` (cmd: how to run `splitserve`, default this checkout's
     `python -m splitserve_cli`), its output in a log file; -> an Up once the banner is printed
-    and the gateway answers /health; on exit SIGTERM (SIGKILL after 30 s) if it still runs."""
+    and the gateway answers /health (ssl_context: trust for an https front); on exit SIGTERM
+    (SIGKILL after 30 s) if it still runs."""
     log_path = os.path.join(tempfile.mkdtemp(prefix="up-"), "log")
     with open(log_path, "w") as f:
         p = subprocess.Popen([*(cmd or [sys.executable, "-m", "splitserve_cli"]), "up", *args],
@@ -238,7 +239,7 @@ def splitserve_up(args: list[str], *, cmd: list[str] | None = None, cwd=ROOT, en
     up = Up(p, log_path)
     try:
         try:
-            up.rest, up.grpc_address = wait_up(p, log_path, timeout_s)
+            up.rest, up.grpc_address = wait_up(p, log_path, timeout_s, ssl_context)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\n{up.log()[-6000:]}") from None
         yield up

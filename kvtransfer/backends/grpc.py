@@ -8,7 +8,9 @@ Hazards:
 - a layer tensor passed to send_layer must not be mutated until finish() returns (the bytes
   are sliced lazily as gRPC flow control pulls chunks);
 - the servicer treats a stream that ends or breaks without commit as a dead sender and fails
-  the transfer (blocks released), even when the handler itself is being cancelled.
+  the transfer (blocks released), even when the handler itself is being cancelled;
+- a sender that stalls (opens the stream, then sends nothing) is cut at the transfer's
+  deadline: the stream ends with a failed ack instead of holding its buffers indefinitely.
 """
 from __future__ import annotations
 
@@ -52,8 +54,15 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
         committed = False
         bufs: dict[int, tuple[bytearray, int, tuple, str, float | None, float | None]] = {}
         nbytes = 0
+        chunks = request_iterator.__aiter__()
         try:
-            async for ch in request_iterator:
+            while True:
+                try:
+                    ch = await asyncio.wait_for(chunks.__anext__(), self._chunk_wait_s(tid))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise TransferError(self._stalled(tid)) from None
                 if not ch.transfer_id:
                     raise TransferError("chunk without transfer_id")
                 if tid is None:
@@ -112,6 +121,22 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
             if tid is not None and not committed:
                 rx.fail(tid, f"stream broken: {type(e).__name__}: {e}")
             raise
+
+
+    def _chunk_wait_s(self, tid: str | None) -> float:
+        """How long the next chunk may take: until the transfer's deadline (+ one reaper pass,
+        so the reaper's timeout names the cause); before the first chunk, the default hold."""
+        rx = self.receiver
+        t = rx.get(tid) if tid is not None else None
+        if t is None:
+            return rx.default_timeout_s
+        return max(t.deadline - time.monotonic(), 0.0) + 2 * rx.reap_interval_s
+
+    def _stalled(self, tid: str | None) -> str:
+        t = self.receiver.get(tid) if tid is not None else None
+        if t is not None and t.error:
+            return t.error
+        return "sender stalled: no KV chunk before the transfer's deadline"
 
 
 class GrpcSendTransfer(SendTransfer):

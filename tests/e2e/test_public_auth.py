@@ -2,10 +2,12 @@
 processes (their internal plane on a shared secret): REST without / with a wrong key -> 401
 with an OpenAI-style error, gRPC -> UNAUTHENTICATED; /health, /metrics and gRPC health open;
 TLS on both ports with a self-signed certificate made here; a key over its limit -> 429 /
-RESOURCE_EXHAUSTED while another key is served."""
+RESOURCE_EXHAUSTED while another key is served; `splitserve up` with a key and TLS prints the
+served model name and an https URL in its banner."""
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import subprocess
 import sys
@@ -141,3 +143,17 @@ async def test_concurrency_per_key(front):
         assert r_other.status_code == 200, r_other.text  # another key is not limited by it
         r = await c.post("/v1/completions", json=_body(), headers=auth[0])
         assert r.status_code == 200, r.text  # the slot is given back once a request is over
+
+
+def test_up_banner_with_a_key_and_tls(tmp_path):
+    cert, key = self_signed(tmp_path)
+    env = {**harness.child_env(), "SPLITSERVE_API_KEY": KEYS[0]}
+    with harness.splitserve_up([*harness.UP_PORTS, *harness.TINY_CPU, f"--gateway-arg=--tls-cert={cert}",
+                                f"--gateway-arg=--tls-key={key}"], env=env,
+                               ssl_context=_trust(cert)) as up:
+        text = up.log()
+        assert re.search(rf"model name\s+{MODEL}\s", text), text  # asked with the key over TLS
+        assert re.search(r"REST \(OpenAI\)\s+https://127\.0\.0\.1:\d+/v1", text), text
+        r = httpx.get(up.rest + "/v1/models", verify=_trust(cert), timeout=10,
+                      headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, r.text

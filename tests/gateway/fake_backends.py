@@ -18,10 +18,10 @@ class CountingDecode(FakeDecode):
                                     num_total_blocks=100, num_free_blocks=100)
 
 
-async def main(ready_file: str) -> None:
+async def main(ready_file: str, step_s: float = 0.0) -> None:
     servers = []
     ports = []
-    for s in (FakePrefill(), CountingDecode(eos=None)):
+    for s in (FakePrefill(), CountingDecode(step_s=step_s, eos=None)):
         srv, addr = await start_server(s)
         servers.append(srv)
         ports.append(addr.rsplit(":", 1)[1])
@@ -34,4 +34,6 @@ async def main(ready_file: str) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--ready-file", required=True)
-    asyncio.run(main(p.parse_args().ready_file))
+    p.add_argument("--step-s", type=float, default=0.0, help="decode: seconds per token")
+    a = p.parse_args()
+    asyncio.run(main(a.ready_file, a.step_s))

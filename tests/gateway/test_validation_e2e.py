@@ -115,9 +115,12 @@ async def test_hostile_grpc_requests_and_duplicate_ids(stack):
             await raw(b"\x12\x02\xff\xfe", timeout=10)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         t0 = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await stub.Tokenize(generate_pb2.TokenizeRequest(text="x" * (30 << 20)), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:  # past --max-body-bytes: the validator
+            await stub.Tokenize(generate_pb2.TokenizeRequest(text="x" * (3 << 19)), timeout=30)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and time.monotonic() - t0 < 10
+        with pytest.raises(grpc.aio.AioRpcError) as ei:  # past the message cap: the transport
+            await stub.Tokenize(generate_pb2.TokenizeRequest(text="x" * (30 << 20)), timeout=30)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 10
 
         # a duplicate id is refused on both fronts; the first runs to its end
         first = stub.Generate(generate_pb2.GenerateRequest(
