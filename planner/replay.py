@@ -60,7 +60,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def summarize(reqs: list[SimRequest], ttft_slo_ms: float | None = None,
-              tpot_slo_ms: float | None = None) -> dict:
+              tpot_slo_ms: float | None = None, quantile: float | None = None) -> dict:
+    """bench/serve_stats.summarize's figures; with `quantile` also ttft_ms_q / tpot_ms_q there."""
     ok = [r for r in reqs if r.status == "ok"]
     good = [r for r in ok if (ttft_slo_ms is None or r.ttft_ms <= ttft_slo_ms) and
             (tpot_slo_ms is None or r.tpot_ms is None or r.tpot_ms <= tpot_slo_ms)]
@@ -75,4 +76,6 @@ def summarize(reqs: list[SimRequest], ttft_slo_ms: float | None = None,
     for q in (50, 90, 99):
         s[f"ttft_ms_p{q}"] = pct(ttft, q)
         s[f"tpot_ms_p{q}"] = pct(tpot, q)
+    if quantile is not None:
+        s["ttft_ms_q"], s["tpot_ms_q"] = pct(ttft, quantile * 100), pct(tpot, quantile * 100)
     return s
