@@ -116,14 +116,26 @@ class Simulator:
         self.seq += 1  # tie-break: events at one time run in the order they were made
         heapq.heappush(self.events, (t, self.seq, fn, args))
 
-    def run(self, reqs: list[SimRequest], ttft_slo_ms: float | None = None) -> list[SimRequest]:
+    def run(self, reqs: list[SimRequest], ttft_slo_ms: float | None = None,
+            concurrency: int | None = None) -> list[SimRequest]:
+        """Open loop at each request's arrival_ms; closed loop with `concurrency` clients, each
+        sending its next request (arrival_ms rewritten) when its last one ends."""
         self.slo = ttft_slo_ms
-        for r in reqs:
+        self.backlog = deque(reqs[concurrency:]) if concurrency else deque()
+        for r in (reqs[:concurrency] if concurrency else reqs):
+            if concurrency:
+                r.arrival_ms = 0.0
             self._at(r.arrival_ms + self.overhead, self._arrive, r)
         while self.events:
             t, _, fn, args = heapq.heappop(self.events)
             fn(t, *args)
         return reqs
+
+    def _ended(self, t: float) -> None:
+        if self.backlog:  # closed loop: that client sends its next request
+            r = self.backlog.popleft()
+            r.arrival_ms = t
+            self._at(t + self.overhead, self._arrive, r)
 
     def _handoff_ms(self, n: int) -> float:
         return 0.0 if self.c.prefill == 0 else self.cal.handoff_ms(n) + self.c.handoff_fixed_ms
@@ -135,6 +147,7 @@ class Simulator:
             est = self.overhead + ahead + self.cal.prefill_ms(r.input_len) + self._handoff_ms(r.input_len)
             if est > self.slo:
                 r.status, r.end_ms = "rejected", t
+                self._ended(t)
                 return
         rep.waiting.append(r)
         rep.queued_tokens += r.input_len
@@ -181,6 +194,7 @@ class Simulator:
             _, _, r = heapq.heappop(rep.rows)
             r.end_ms, r.status = t, "ok"
             rep.ctx_sum -= r.input_len + r.output_len
+            self._ended(t)
         for r, n in chunks:
             r.done += n
             rep.queued_tokens -= n
@@ -190,6 +204,7 @@ class Simulator:
             r.first_ms = t
             if r.output_len <= 1:
                 r.end_ms, r.status = t, "ok"
+                self._ended(t)
             elif rep.decodes:
                 rep.joining.append(r)
             else:
@@ -198,6 +213,8 @@ class Simulator:
 
 
 def simulate(reqs: list[SimRequest], cal: Calibration, cluster: Cluster,
-             ttft_slo_ms: float | None = None, overhead_ms: float | None = None) -> list[SimRequest]:
-    """Replay `reqs` (fresh SimRequests: the run fills them in) through `cluster`."""
-    return Simulator(cal, cluster, overhead_ms).run(reqs, ttft_slo_ms)
+             ttft_slo_ms: float | None = None, overhead_ms: float | None = None,
+             concurrency: int | None = None) -> list[SimRequest]:
+    """Replay `reqs` (fresh SimRequests: the run fills them in) through `cluster`; open loop,
+    or closed loop with `concurrency` clients."""
+    return Simulator(cal, cluster, overhead_ms).run(reqs, ttft_slo_ms, concurrency)

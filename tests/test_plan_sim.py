@@ -146,3 +146,15 @@ def test_plan_json_carries_the_simulated_search(capsys):
     assert json.loads(capsys.readouterr().out)["simulated"] is None
     assert main([*PLAN, "--sim-requests", "0"]) == 2
     assert "--sim-requests must be >= 1" in capsys.readouterr().err
+
+
+def test_closed_loop_keeps_concurrency_clients_busy():
+    """Closed loop, constant costs: each client's requests run back to back, so with one client
+    the run lasts the sum of their times and nothing ever queues."""
+    cal = _cal(prefill=(20.0, 0.0, 0.0), decode=(10.0, 0.0, 0.0), ttft_overhead_ms=5.0)
+    reqs = trace_requests(10, 1.0, "fixed:8", "fixed:4")
+    out = simulate(reqs, cal, Cluster(0, 1), concurrency=1)
+    assert all(r.ttft_ms == pytest.approx(25.0) for r in out)
+    assert out[-1].end_ms == pytest.approx(10 * (25 + 3 * 10))
+    four = simulate(trace_requests(40, 1.0, "fixed:8", "fixed:4"), cal, Cluster(0, 1), concurrency=4)
+    assert max(r.end_ms for r in four) < 10 * (25 + 3 * 10) * 4  # batched: faster than serial
