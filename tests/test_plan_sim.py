@@ -158,3 +158,20 @@ def test_closed_loop_keeps_concurrency_clients_busy():
     assert out[-1].end_ms == pytest.approx(10 * (25 + 3 * 10))
     four = simulate(trace_requests(40, 1.0, "fixed:8", "fixed:4"), cal, Cluster(0, 1), concurrency=4)
     assert max(r.end_ms for r in four) < 10 * (25 + 3 * 10) * 4  # batched: faster than serial
+
+
+def _closed_doc(conc: int, summary: dict, rows: list) -> dict:
+    return {"benchmark": "serve", "config": {"input_len": "lognormal:64,0.6", "output_len": "fixed:16", "seed": 0},
+            "results": {"runs": [{"label": "A", "concurrency": conc, "summary": summary, "requests": rows}]}}
+
+
+def test_serving_overheads_fit_back_what_made_the_runs():
+    cal = _cal(prefill=(30.0, 0.3, 0.0005), decode=(20.0, 1.5, 0.005))
+    reqs = trace_requests(12, 1.0, "lognormal:64,0.6", "fixed:16")
+    rows = [{"status": "ok", "ttft_ms": 40 + cal.prefill_ms(r.input_len),
+             "tpot_ms": 3 + cal.step_ms(1, r.input_len + 8)} for r in reqs]
+    assert plan_validate.fit_idle(_closed_doc(1, {}, rows), cal) == pytest.approx((40.0, 3.0))
+    made = Calibration(cal.prefill, (20.0, 1.5 + 2.5, 0.005))
+    loaded = simulate(trace_requests(48, 1.0, "lognormal:64,0.6", "fixed:16"), made, Cluster(0, 1), concurrency=8)
+    doc = _closed_doc(8, summarize(loaded), [{}] * 48)
+    assert plan_validate.fit_rows(doc, cal, Cluster(0, 1)) == pytest.approx(2.5, abs=0.05)
