@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
@@ -46,6 +46,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-overhead-ms", type=float, default=0.0,
                    help="per-request time on top of prefill + handoff: gateway and RPC hops "
                         "(pd_system on the H200: ~11 ms)")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0,
+                   help="serving cost a decode step on top of the engine's (bench.plan_validate fits it)")
+    p.add_argument("--row-overhead-ms", type=float, default=0.0,
+                   help="serving cost a decode row a step: streaming the token out (CPU: ~1-2 ms)")
     p.add_argument("--max-batch", type=int, default=256, help="most running requests per decode replica")
     p.add_argument("--topology", choices=("split", "colocated"), default="split",
                    help="simulate xPyD (split) or replicas that prefill in their decode batches")
@@ -94,8 +98,11 @@ def calibration_from_args(a: argparse.Namespace):
         gbps, kv_src = a.kv_gbps, f"{a.kv_gbps:g} GB/s (flag)"
     elif a.kv_backend:
         gbps, kv_src = _kv_gbps(a.kv_backend)
+    if a.step_overhead_ms < 0 or a.row_overhead_ms < 0:
+        raise ValueError("--step-overhead-ms and --row-overhead-ms must be >= 0")
     cal = calibrate(pre, dec, kv_bytes_per_token(a.model_shape), gbps, source, a.ttft_overhead_ms)
-    return cal, kv_src
+    d0, d1, d2 = cal.decode
+    return replace(cal, decode=(d0 + a.step_overhead_ms, d1 + a.row_overhead_ms, d2)), kv_src
 
 
 def _fmt(x: float) -> str:
@@ -158,7 +165,7 @@ def render_sim(best, seen, w) -> str:
                    f"{'yes' if s.meets else 'no'}")
     f = best.figures
     gpus = best.prefill + best.decode
-    out.append(f"recommended (simulated): {best.shape} ({gpus} GPUs): {q} TTFT {f['ttft_ms_q']:.1f} ms, "
+    out.append(f"recommended (simulated): {best.shape} ({gpus} replicas): {q} TTFT {f['ttft_ms_q']:.1f} ms, "
                f"{q} TPOT {f['tpot_ms_q']:.2f} ms, goodput {f['goodput_rps']:.2f} req/s")
     return "\n".join(out)
 

@@ -145,7 +145,7 @@ def test_cli_prints_a_table_and_a_recommendation(capsys):
     assert main(ARGS) == 0
     out = capsys.readouterr().out
     assert "calibration: flags" in out and "TTFT p90 ms" in out
-    assert "queueing model: 2P1D (3 GPUs)" in out and "recommended (simulated): 2P1D (3 GPUs)" in out
+    assert "queueing model: 2P1D (3 GPUs)" in out and "recommended (simulated): 2P1D (3 replicas)" in out
 
 
 def test_cli_json_and_kv_handoff(capsys):

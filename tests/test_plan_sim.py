@@ -175,3 +175,15 @@ def test_serving_overheads_fit_back_what_made_the_runs():
     loaded = simulate(trace_requests(48, 1.0, "lognormal:64,0.6", "fixed:16"), made, Cluster(0, 1), concurrency=8)
     doc = _closed_doc(8, summarize(loaded), [{}] * 48)
     assert plan_validate.fit_rows(doc, cal, Cluster(0, 1)) == pytest.approx(2.5, abs=0.05)
+
+
+def test_plan_serving_overheads_slow_the_simulated_decode(capsys):
+    from splitserve_cli.main import main
+
+    assert main([*PLAN, "--json"]) == 0
+    base = json.loads(capsys.readouterr().out)["simulated"]["best"]["figures"]["tpot_ms_p50"]
+    assert main([*PLAN, "--json", "--row-overhead-ms", "0.05"]) == 0
+    slower = json.loads(capsys.readouterr().out)["simulated"]["best"]["figures"]["tpot_ms_p50"]
+    assert slower > base
+    assert main([*PLAN, "--row-overhead-ms", "-1"]) == 2
+    assert "--row-overhead-ms must be >= 0" in capsys.readouterr().err
