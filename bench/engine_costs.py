@@ -27,8 +27,9 @@ from engine.sampling_params import SamplingParams
 PARAMS = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 40000) for _ in range(n)]  # fresh tokens: no prefix-cache hits
+def _prompt(rng: random.Random, n: int, vocab: int = 40000) -> list[int]:
+    # fresh random tokens: no prefix-cache hits between timed requests
+    return [rng.randrange(min(100, vocab // 4), min(vocab, 40000)) for _ in range(n)]
 
 
 def _timed_step(eng: Engine) -> float:
@@ -48,7 +49,7 @@ def _decoding(eng: Engine, rng: random.Random, tag: str, batch: int, ctx: int) -
     """`batch` requests prefilled to `ctx` tokens and decoding (not timed)."""
     ids = [f"{tag}-{i}" for i in range(batch)]
     for rid in ids:
-        eng.add_request(rid, _prompt(rng, ctx), PARAMS)
+        eng.add_request(rid, _prompt(rng, ctx, eng.arch.vocab_size), PARAMS)
     while any(not eng.requests[r].output_token_ids for r in ids):
         eng.step()
     eng.step()  # the first all-decode step: warm
@@ -56,7 +57,7 @@ def _decoding(eng: Engine, rng: random.Random, tag: str, batch: int, ctx: int) -
 
 
 def prefill_ms(eng: Engine, rng: random.Random, n: int, tag: str) -> float:
-    eng.add_request(tag, _prompt(rng, n), PARAMS)
+    eng.add_request(tag, _prompt(rng, n, eng.arch.vocab_size), PARAMS)
     ms = _timed_step(eng)
     _drain(eng, [tag])
     return ms
@@ -71,7 +72,7 @@ def decode_ms(eng: Engine, rng: random.Random, batch: int, ctx: int, tag: str, s
 
 def mixed_ms(eng: Engine, rng: random.Random, batch: int, ctx: int, n: int, tag: str) -> float:
     ids = _decoding(eng, rng, tag, batch, ctx)
-    eng.add_request(f"{tag}-p", _prompt(rng, n), PARAMS)
+    eng.add_request(f"{tag}-p", _prompt(rng, n, eng.arch.vocab_size), PARAMS)
     ms = _timed_step(eng)
     _drain(eng, ids + [f"{tag}-p"])
     return ms
@@ -79,6 +80,7 @@ def mixed_ms(eng: Engine, rng: random.Random, batch: int, ctx: int, n: int, tag:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_costs")
+    ap.add_argument("--model", default="default", help="engine model (default: the embedded SmolLM2)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (as `up` colocated gives decode)")
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
-    eng = Engine(EngineConfig(model=ModelConfig("default", dtype=a.dtype),
+    eng = Engine(EngineConfig(model=ModelConfig(a.model, dtype=a.dtype),
                               scheduler=SchedulerConfig(max_num_seqs=256),
                               device=DeviceConfig(device=a.device)))
     rng = random.Random(0)
