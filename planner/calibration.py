@@ -4,8 +4,8 @@
     step_ms(batch, ctx)  = d0 + d1 * batch + d2 * batch * ctx   (ctx: mean context; the KV read)
     handoff_ms(n)        = n * kv_bytes_per_token / kv_gbps (0 when kv_gbps is 0: colocated pool)
 
-Points come from a bench/results JSON (engine_gpu: its 'prefill N' and 'decode b=B ctx=C' rows
-for one model shape) or from flags ('N:ms' and 'BxC:ms')."""
+Points come from a bench/results JSON (engine_gpu or engine_costs: its 'prefill N' and
+'decode b=B ctx=C' rows for one model shape) or from flags ('N:ms' and 'BxC:ms')."""
 from __future__ import annotations
 
 import json
@@ -83,10 +83,11 @@ def kv_bytes_per_token(shape: str, kv_dtype_bytes: int = 2) -> int:
 
 
 def points_from_bench(path: str | Path, shape: str) -> tuple[list, list]:
-    """(prefill points, decode points) of one model shape from an engine_gpu result."""
+    """(prefill points, decode points) of one model shape from an engine_gpu / engine_costs result."""
     d = json.loads(Path(path).read_text())
-    if d.get("benchmark") != "engine_gpu":
-        raise ValueError(f"{path}: a {d.get('benchmark')!r} result; calibration reads engine_gpu results")
+    if d.get("benchmark") not in ("engine_gpu", "engine_costs"):
+        raise ValueError(f"{path}: a {d.get('benchmark')!r} result; calibration reads engine_gpu "
+                         "or engine_costs results")
     pre, dec = [], []
     for r in d["results"]["rows"]:
         if r.get("shape") != shape:

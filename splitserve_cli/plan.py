@@ -5,15 +5,18 @@
 
 Calibration: the newest bench/results/engine_gpu-*.json of this checkout (prefill and decode
 step times of --model-shape on that GPU), or --prefill-points / --decode-points; KV handoff
-time from the newest kv_transfer-*.json row of --kv-backend (none: not counted). The model
-and its assumptions: planner/model.py.
+time from the newest kv_transfer-*.json row of --kv-backend (none: not counted).
+The queueing model (planner/model.py) gives a first answer; the discrete-event simulator
+(planner/simulate.py) then replays a seeded trace of the load (bench/serve_trace.py's
+generator, --sim-requests requests) through shapes around it (planner/search.py) and its
+answer is the recommendation (--no-sim: the queueing model's alone).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
@@ -43,7 +46,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-overhead-ms", type=float, default=0.0,
                    help="per-request time on top of prefill + handoff: gateway and RPC hops "
                         "(pd_system on the H200: ~11 ms)")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0,
+                   help="serving cost a decode step on top of the engine's (bench.plan_validate fits it)")
+    p.add_argument("--row-overhead-ms", type=float, default=0.0,
+                   help="serving cost a decode row a step: streaming the token out (CPU: ~1-2 ms)")
     p.add_argument("--max-batch", type=int, default=256, help="most running requests per decode replica")
+    p.add_argument("--topology", choices=("split", "colocated"), default="split",
+                   help="simulate xPyD (split) or replicas that prefill in their decode batches")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="engine token budget a step")
+    p.add_argument("--handoff-fixed-ms", type=float, default=0.0, help="per-request KV handoff cost "
+                   "besides bytes / rate")
+    p.add_argument("--admission", action="store_true",
+                   help="simulate the gateway rejecting requests predicted past the TTFT SLO")
+    p.add_argument("--sim-requests", type=int, default=2000, help="simulated trace length")
+    p.add_argument("--seed", type=int, default=0, help="simulated trace seed")
+    p.add_argument("--no-sim", action="store_true", help="the queueing model only (no simulation)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -81,8 +98,11 @@ def calibration_from_args(a: argparse.Namespace):
         gbps, kv_src = a.kv_gbps, f"{a.kv_gbps:g} GB/s (flag)"
     elif a.kv_backend:
         gbps, kv_src = _kv_gbps(a.kv_backend)
+    if a.step_overhead_ms < 0 or a.row_overhead_ms < 0:
+        raise ValueError("--step-overhead-ms and --row-overhead-ms must be >= 0")
     cal = calibrate(pre, dec, kv_bytes_per_token(a.model_shape), gbps, source, a.ttft_overhead_ms)
-    return cal, kv_src
+    d0, d1, d2 = cal.decode
+    return replace(cal, decode=(d0 + a.step_overhead_ms, d1 + a.row_overhead_ms, d2)), kv_src
 
 
 def _fmt(x: float) -> str:
@@ -111,8 +131,42 @@ def render(plan, w, cal, kv_src: str) -> str:
         out.append(f"{d.replicas:>6}  {_fmt(d.batch_mean):>10}  {_fmt(d.batch_q):>9}  "
                    f"{_fmt(d.tpot_ms_mean):>12}  {_fmt(d.tpot_ms_q):>11}  {ok}")
     pp, dd = plan.prefill, plan.decode
-    out += ["", f"recommended: {plan.shape} ({pp.replicas + dd.replicas} GPUs): predicted {q} TTFT "
+    out += ["", f"queueing model: {plan.shape} ({pp.replicas + dd.replicas} GPUs): predicted {q} TTFT "
             f"{pp.ttft_ms_q:.1f} ms, {q} TPOT {dd.tpot_ms_q:.2f} ms, {dd.tokens_per_s:.0f} output tokens/s"]
+    return "\n".join(out)
+
+
+def simulated(a: argparse.Namespace, w, cal, first):
+    """(best SimPoint, all simulated) around the queueing model's answer `first`."""
+    from planner.replay import lognormal_spec, trace_requests
+    from planner.search import search
+    from planner.simulate import Cluster
+
+    if a.sim_requests < 1:
+        raise ValueError(f"--sim-requests must be >= 1, got {a.sim_requests}")
+    reqs = trace_requests(a.sim_requests, w.rate, lognormal_spec(w.input_len, w.input_cv),
+                          lognormal_spec(w.output_len, w.output_cv), a.seed)
+    base = Cluster(0 if a.topology == "colocated" else 1, 1, a.max_batched_tokens, a.max_batch,
+                   handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission)
+    start = (first.prefill.replicas, first.decode.replicas)
+    if a.topology == "colocated":
+        start = (0, max(1, max(start) - 1))
+    return search(reqs, cal, base, w.ttft_ms, w.tpot_ms, w.quantile, start)
+
+
+def render_sim(best, seen, w) -> str:
+    q = f"p{w.quantile * 100:g}"
+    out = ["", f"simulated ({best.figures['requests']} requests):",
+           f"shape           TTFT p50 ms  TTFT {q} ms  TPOT p50 ms  TPOT {q} ms  goodput r/s  meets"]
+    for s in seen:
+        f = s.figures
+        out.append(f"{s.shape:<14}  {_fmt(f['ttft_ms_p50']):>11}  {_fmt(f['ttft_ms_q']):>11}  "
+                   f"{_fmt(f['tpot_ms_p50']):>11}  {_fmt(f['tpot_ms_q']):>11}  {f['goodput_rps']:11.2f}  "
+                   f"{'yes' if s.meets else 'no'}")
+    f = best.figures
+    gpus = best.prefill + best.decode
+    out.append(f"recommended (simulated): {best.shape} ({gpus} replicas): {q} TTFT {f['ttft_ms_q']:.1f} ms, "
+               f"{q} TPOT {f['tpot_ms_q']:.2f} ms, goodput {f['goodput_rps']:.2f} req/s")
     return "\n".join(out)
 
 
@@ -124,6 +178,7 @@ def run(a: argparse.Namespace) -> int:
                      a.tpot_ms, a.quantile)
         cal, kv_src = calibration_from_args(a)
         result = plan(w, cal, max_batch=a.max_batch)
+        sim = None if a.no_sim else simulated(a, w, cal, result)
     except (ValueError, OSError) as e:
         print(f"splitserve plan: {e}", file=sys.stderr)
         return 2
@@ -133,7 +188,10 @@ def run(a: argparse.Namespace) -> int:
                                           "kv_bytes_per_token": cal.kv_bytes_per_token, "kv_gbps": cal.kv_gbps},
                           "prefill": asdict(result.prefill), "decode": asdict(result.decode),
                           "prefill_table": [asdict(p) for p in result.prefill_table],
-                          "decode_table": [asdict(d) for d in result.decode_table]}, default=str))
+                          "decode_table": [asdict(d) for d in result.decode_table],
+                          "simulated": None if sim is None else
+                          {"shape": sim[0].shape, "best": asdict(sim[0]), "tried": [asdict(s) for s in sim[1]]}},
+                         default=str))
     else:
-        print(render(result, w, cal, kv_src))
+        print(render(result, w, cal, kv_src) + ("" if sim is None else render_sim(*sim, w)))
     return 0

@@ -137,14 +137,15 @@ def test_prefill_fit_predicts_another_benchmarks_ttft():
 # ---- the command ------------------------------------------------------------------------
 ARGS = ["plan", "--rate", "20", "--input-len", "2048", "--output-len", "256", "--ttft-ms", "500",
         "--tpot-ms", "20", "--prefill-points", "128:6,512:14,2048:55,4096:114",
-        "--decode-points", "1x1024:4.1,64x1024:7.4,128x1024:10.3,64x4096:13.9,128x4096:23.2"]
+        "--decode-points", "1x1024:4.1,64x1024:7.4,128x1024:10.3,64x4096:13.9,128x4096:23.2",
+        "--sim-requests", "400"]
 
 
 def test_cli_prints_a_table_and_a_recommendation(capsys):
     assert main(ARGS) == 0
     out = capsys.readouterr().out
     assert "calibration: flags" in out and "TTFT p90 ms" in out
-    assert "recommended: 2P1D (3 GPUs)" in out
+    assert "queueing model: 2P1D (3 GPUs)" in out and "recommended (simulated): 2P1D (3 replicas)" in out
 
 
 def test_cli_json_and_kv_handoff(capsys):
@@ -166,7 +167,7 @@ def test_cli_json_and_kv_handoff(capsys):
 
 
 def test_cli_bad_input_exits_2_naming_it(capsys):
-    assert main([*ARGS[:-4], "--decode-points", "1x1024:4.1"]) == 2
+    assert main([*ARGS[:-6], "--decode-points", "1x1024:4.1"]) == 2
     assert "decode calibration needs >= 2" in capsys.readouterr().err
-    assert main(["plan", "--rate", "-1", "--ttft-ms", "1", "--tpot-ms", "1", *ARGS[-4:]]) == 2
+    assert main(["plan", "--rate", "-1", "--ttft-ms", "1", "--tpot-ms", "1", *ARGS[-6:]]) == 2
     assert "rate must be > 0" in capsys.readouterr().err

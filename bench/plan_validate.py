@@ -1,0 +1,164 @@
+"""The planner's simulator against the serving benchmark: replay the exact trace a bench.serve
+run sent (its config and request counts; bench/serve_trace.py) through planner/simulate.py with
+a calibration, and print predicted vs measured P50 TTFT, P50 TPOT and goodput per load point.
+
+    python -m bench.plan_validate bench/results/serve-*.json \\
+        --calibration bench/results/engine_costs-*.json --shape smollm2-135m \\
+        [--idle serve-c1.json --loaded serve-c8.json] [--prefill 0 --decode 1] [--kv-gbps G ...]
+
+Calibration: engine step costs (engine_costs or engine_gpu rows of --shape) plus the serving
+path's own costs, either given (--overhead-ms: per request before the engine, HTTP + gateway +
+RPC; --step-overhead-ms: per decode step; --row-overhead-ms: per decode row a step, streaming
+each token out through the service, gateway and client, which share the engine's cores on CPU)
+or fitted from closed-loop bench.serve runs taken apart from the runs being checked: --idle at
+concurrency 1 (each request alone: TTFT = overhead + prefill, TPOT = one step at batch 1) and
+--loaded at concurrency N > 1 (the row overhead that makes the simulated closed loop's P50 TPOT
+the measured one).
+Shape: --prefill 0 is `up --topology colocated` (CPU's default), --prefill P --decode D a
+split xPyD with the KV handoff at --kv-gbps. JSON to bench/results/plan_validate-<stamp>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+from bench.common import print_table, write_result
+from planner.calibration import calibrate, points_from_bench
+from planner.replay import bench_points, summarize, trace_requests
+from planner.simulate import Cluster, simulate
+
+METRICS = (("ttft_ms_p50", "P50 TTFT ms"), ("tpot_ms_p50", "P50 TPOT ms"), ("goodput_rps", "goodput r/s"))
+
+
+def fit_idle(doc: dict, cal) -> tuple[float, float]:
+    """(per-request overhead ms, per-step overhead ms) from a closed-loop concurrency-1 run."""
+    run, reqs = closed_run(doc, True)
+    pre, step = [], []
+    for row, r in zip(run["requests"], reqs):
+        if row.get("status") != "ok":
+            continue
+        pre.append(row["ttft_ms"] - cal.prefill_ms(r.input_len))
+        if row.get("tpot_ms") is not None:
+            step.append(row["tpot_ms"] - cal.step_ms(1, r.input_len + r.output_len / 2))
+    if not pre:
+        raise ValueError("--idle: no completed request")
+    return max(0.0, statistics.median(pre)), max(0.0, statistics.median(step)) if step else 0.0
+
+
+def closed_run(doc: dict, want_one: bool) -> tuple[dict, list]:
+    cfg = doc["config"]
+    run = next((r for r in doc["results"]["runs"] if "concurrency" in r and
+                (r["concurrency"] == 1) == want_one), None)
+    if run is None:
+        raise ValueError(f"want a bench.serve result with a --concurrency {'1' if want_one else 'N > 1'} point")
+    reqs = trace_requests(len(run["requests"]), 1.0, cfg["input_len"], cfg["output_len"], cfg.get("seed", 0))
+    return run, reqs
+
+
+def fit_rows(doc: dict, cal, cluster) -> float:
+    """Per-row step overhead (ms) making the simulated closed loop's P50 TPOT the measured one."""
+    run, reqs = closed_run(doc, False)
+    want, n = run["summary"]["tpot_ms_p50"], int(run["concurrency"])
+    d0, d1, d2 = cal.decode
+
+    def tpot(x: float) -> float:
+        c = dataclasses.replace(cal, decode=(d0, d1 + x, d2))
+        fresh = [dataclasses.replace(r) for r in reqs]
+        return summarize(simulate(fresh, c, cluster, concurrency=n))["tpot_ms_p50"]
+
+    lo, hi = 0.0, 50.0
+    if tpot(lo) >= want:
+        return 0.0
+    for _ in range(30):  # TPOT grows with the row cost: bisect
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tpot(mid) < want else (lo, mid)
+    return (lo + hi) / 2
+
+
+def err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas if meas else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.plan_validate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("serve", nargs="+", help="bench.serve result JSON(s) with open-loop points")
+    ap.add_argument("--calibration", required=True, help="engine_costs or engine_gpu result JSON")
+    ap.add_argument("--shape", default="smollm2-135m", help="the calibration rows' model shape")
+    ap.add_argument("--idle", default=None, help="closed-loop concurrency-1 bench.serve result: fits "
+                    "the serving overheads")
+    ap.add_argument("--loaded", default=None, help="closed-loop concurrency-N bench.serve result: "
+                    "fits the per-row overhead")
+    ap.add_argument("--overhead-ms", type=float, default=None)
+    ap.add_argument("--step-overhead-ms", type=float, default=None)
+    ap.add_argument("--row-overhead-ms", type=float, default=None)
+    ap.add_argument("--prefill", type=int, default=0, help="prefill replicas (0: colocated)")
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--kv-gbps", type=float, default=0.0)
+    ap.add_argument("--kv-bytes-per-token", type=int, default=0)
+    ap.add_argument("--handoff-fixed-ms", type=float, default=0.0)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-seqs", type=int, default=128)
+    ap.add_argument("--admission", action="store_true", help="reject at predicted TTFT > SLO")
+    ap.add_argument("--tolerance", type=float, default=0.15)
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        pre, dec = points_from_bench(a.calibration, a.shape)
+        cal = calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration)
+        fit = fit_idle(json.loads(open(a.idle).read()), cal) if a.idle else (0.0, 0.0)
+        over = a.overhead_ms if a.overhead_ms is not None else fit[0]
+        step_over = a.step_overhead_ms if a.step_overhead_ms is not None else fit[1]
+        d0, d1, d2 = cal.decode
+        cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over)
+        cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
+                          handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission)
+        row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
+            fit_rows(json.loads(open(a.loaded).read()), cal, cluster) if a.loaded else 0.0
+        cal = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+        points = []
+        for path in a.serve:
+            doc = json.loads(open(path).read())
+            cfg = doc["config"]
+            for p in bench_points(doc):
+                sim = summarize(simulate(p["requests"], cal, cluster, cfg.get("ttft_ms")),
+                                cfg.get("ttft_ms"), cfg.get("tpot_ms"))
+                m = p["measured"]
+                points.append({"file": path, "commit": doc.get("commit"), "date": doc.get("date"),
+                               "rate": p["rate"], "requests": m["requests"],
+                               "slo": [cfg.get("ttft_ms"), cfg.get("tpot_ms")],
+                               "predicted": sim, "measured": {k: m.get(k) for k in sim},
+                               "error": {k: err(sim[k], m[k]) for k, _ in METRICS}})
+    except (ValueError, OSError, KeyError) as e:
+        print(f"plan_validate: {e}", file=sys.stderr)
+        return 2
+    p0, p1, p2 = cal.prefill
+    print(f"calibration {a.shape}: prefill_ms(n) = {p0:.3g} + {p1:.3g} n + {p2:.3g} n^2; "
+          f"step_ms(B, ctx) = {cal.decode[0]:.3g} + {cal.decode[1]:.3g} B + {d2:.3g} B ctx "
+          f"(overheads incl.: step {step_over:.1f} ms, row {row_over:.2f} ms); request overhead "
+          f"{over:.1f} ms; {cluster.shape}")
+    rows = []
+    for p in points:
+        row = {"rate": f"{p['rate']:g}", "n": p["requests"]}
+        for k, name in METRICS:
+            e = p["error"][k]
+            row[name] = f"{p['predicted'][k]:.3g} vs {p['measured'][k]:.3g}"
+            row[f"{name.split()[0]} {name.split()[1]} err"] = \
+                f"{e:+.0%}{'' if abs(e) <= a.tolerance else ' MISS'}"
+        rows.append(row)
+    print("predicted vs measured:")
+    print_table(rows, list(rows[0]))
+    if not a.no_write:
+        print("wrote", write_result("plan_validate", {**vars(a), "cluster": dataclasses.asdict(cluster)},
+                                    {"calibration": {"prefill": cal.prefill, "decode": cal.decode,
+                                                     "overhead_ms": over, "step_overhead_ms": step_over,
+                                                     "row_overhead_ms": row_over},
+                                     "points": points}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
