@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from splitserve_cli import up
+from splitserve_cli import up, up_banner
 from tests.harness import TINY_CPU, UP_PORTS, splitserve_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -24,7 +24,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_metrics_ports_default_on(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_METRICS_PORTS", raising=False)
     assert _args().metrics_ports == "9101,9102"
-    monkeypatch.setattr(up, "served_model_name", lambda addr: "m")
+    monkeypatch.setattr(up_banner, "served_model_name", lambda addr, *_: "m")
     text = up.banner(_args(), [], None, 50051, 8000, 50061, 50071, ("9101", "9102"))
     assert "prefill http://127.0.0.1:9101/metrics" in text and "decode http://127.0.0.1:9102/metrics" in text
     off = up.banner(_args(), [], None, 50051, 8000, 50061, 50071, ("-1", "-1"))
