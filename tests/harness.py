@@ -135,6 +135,28 @@ def start_service(module: str, extra: list[str] = (), timeout_s: float = 60.0) -
 
 
 @contextlib.contextmanager
+def gateway_over_fakes(fake_args: list[str], gateway_args: list[str]):
+    """The fake prefill / decode process (tests.gateway.fake_backends) and a gateway in front
+    of it (tiny-llama, gRPC on a free port); -> (gateway Proc, fake decode's address); the
+    gateway must still be alive at exit."""
+    fakes = spawn("fakes", "tests.gateway.fake_backends", fake_args)
+    gw = None
+    try:
+        fakes.wait_ready(60)
+        decode = f"127.0.0.1:{fakes.ports[1]}"
+        gw = spawn("gateway", "gateway", [
+            "--port", "0", "--model", "dummy:tiny-llama", "--poll-interval", "0.2",
+            "--prefill", fakes.address, "--decode", decode, *gateway_args])
+        gw.wait_ready(120)
+        yield gw, decode
+        assert gw.alive(), gw.log()
+    finally:
+        if gw is not None:
+            gw.stop()
+        fakes.stop()
+
+
+@contextlib.contextmanager
 def service_group(**specs: tuple[str, list[str]]):
     """name=(module, extra flags) services booted in parallel; -> {name: Proc}; all stopped
     on exit."""

@@ -8,6 +8,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from tests.engine.disagg_util import decode_to_end, prefill_outputs
 
 
 def _engine(kv_dtype="auto", prefix=True):
@@ -28,22 +29,15 @@ def test_prefill_export_import_decode_equals_colocated(kv_dtype):
         rid = f"r{i}"
         blocks = dec.reserve(rid, len(p))
         assert blocks and len(blocks) == -(-len(p) // 16)
-        pre.add_request(rid, p, params, prefill_only=True)
-        first = None
-        while pre.has_unfinished():
-            for o in pre.step():
-                first = o.new_token_ids[0]
-                assert o.finished
+        outs = prefill_outputs(pre, rid, p, params)
+        assert outs and all(o.finished for o in outs)
+        first = outs[-1].new_token_ids[0]
         kv = pre.export_kv(rid)
         assert kv.num_tokens == len(p) and kv.num_blocks == len(blocks)
         pre.release(rid)
         dec.import_kv(rid, kv)
         assert dec.add_prefilled(rid, p, first, params) is None
-        toks = [first]
-        while dec.has_unfinished():
-            for o in dec.step():
-                toks += o.new_token_ids
-        assert toks == want[i], f"prompt {i}"
+        assert decode_to_end(dec, first) == want[i], f"prompt {i}"
     assert dec.kv.num_free_blocks + dec.kv.stats().get("cached_blocks", 0) >= 0
     assert not pre.requests and not dec.requests
 

@@ -11,6 +11,7 @@ from engine.engine import Engine
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from tests.engine.disagg_util import decode_to_end, prefill_outputs
 
 BS = 4
 
@@ -107,28 +108,18 @@ def test_engine_sends_only_the_blocks_decode_lacks():
         fresh = dec.reserve(rid, len(p), p)
         skip = -(-len(p) // 16) - len(fresh)
         skipped.append(skip)
-        pre.add_request(rid, p, params, prefill_only=True)
-        first = None
-        while pre.has_unfinished():
-            for o in pre.step():
-                first = o.new_token_ids[0]
+        first = prefill_outputs(pre, rid, p, params)[-1].new_token_ids[0]
         kv = pre.export_kv(rid, skip)
-        assert kv.num_blocks == len(fresh) == dec.reserved_block_ids(rid).__len__()
+        assert kv.num_blocks == len(fresh) == len(dec.reserved_block_ids(rid))
         pre.release(rid)
         dec.import_kv(rid, kv)
         assert dec.add_prefilled(rid, p, first, params) is None
-        toks = [first]
-        while dec.has_unfinished():
-            for o in dec.step():
-                toks += o.new_token_ids
-        assert toks == want[i], f"prompt {i}"
+        assert decode_to_end(dec, first) == want[i], f"prompt {i}"
     assert skipped == [0, 3]
     with pytest.raises(InvalidRequestError, match="prompt tokens"):
         dec.reserve("bad", 5, [1, 2, 3])
+    prefill_outputs(pre, "x", prompts[0], params)
     with pytest.raises(ValueError, match="skip_blocks"):
-        pre.add_request("x", prompts[0], params, prefill_only=True)
-        while pre.has_unfinished():
-            pre.step()
         pre.export_kv("x", 4)
 
 

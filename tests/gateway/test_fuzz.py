@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.gateway import fuzz_strategies as fs
 from protos import common_pb2, decode_pb2_grpc
-from tests.harness import spawn
+from tests.harness import gateway_over_fakes
 
 N = 1000
 FUZZ = settings(max_examples=N, deadline=None, database=None, derandomize=True,
@@ -33,21 +33,8 @@ def _held(address: str) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def gateway():
-    fakes = spawn("fakes", "tests.gateway.fake_backends", [])
-    gw = None
-    try:
-        fakes.wait_ready(60)
-        gw = spawn("gateway", "gateway", [
-            "--port", "0", "--http-port", "0", "--model", "dummy:tiny-llama", "--max-model-len",
-            "256", "--poll-interval", "0.2", "--prefill", fakes.address,
-            "--decode", f"127.0.0.1:{fakes.ports[1]}"])
-        gw.wait_ready(120)
-        yield gw, f"127.0.0.1:{fakes.ports[1]}"
-        assert gw.alive(), gw.log()
-    finally:
-        if gw is not None:
-            gw.stop()
-        fakes.stop()
+    with gateway_over_fakes([], ["--http-port", "0", "--max-model-len", "256"]) as got:
+        yield got
 
 
 def _settled(gw, decode: str) -> None:

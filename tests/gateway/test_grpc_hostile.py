@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from protos import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
-from tests.harness import ROOT, child_env, spawn
+from tests.harness import ROOT, child_env, gateway_over_fakes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -31,22 +31,10 @@ MODEL = "dummy-tiny-llama"
 
 @pytest.fixture(scope="module")
 def gateway():
-    fakes = spawn("fakes", "tests.gateway.fake_backends", ["--step-s", "0.02"])
-    gw = None
-    try:
-        fakes.wait_ready(60)
-        gw = spawn("gateway", "gateway", [
-            "--port", "0", "--http-port", "-1", "--model", "dummy:tiny-llama", "--max-model-len",
-            "8192", "--poll-interval", "0.2", "--prefill", fakes.address,
-            "--decode", f"127.0.0.1:{fakes.ports[1]}",
-            "--grpc-max-streams-per-connection", str(STREAMS)])
-        gw.wait_ready(120)
-        yield gw.address, f"127.0.0.1:{fakes.ports[1]}"
-        assert gw.alive(), gw.log()
-    finally:
-        if gw is not None:
-            gw.stop()
-        fakes.stop()
+    with gateway_over_fakes(["--step-s", "0.02"], [
+            "--http-port", "-1", "--max-model-len", "8192",
+            "--grpc-max-streams-per-connection", str(STREAMS)]) as (gw, decode):
+        yield gw.address, decode
 
 
 async def _model(address: str, **kw) -> str:
