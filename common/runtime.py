@@ -20,7 +20,7 @@ from common.grpc_util import (add_health_and_reflection, bind, create_server, fr
                               wait_for_signal)
 from common.metrics import get_metrics
 from common.trace_profile import add_profile_service
-from common.service_args import write_ready_file
+from common.service_args import apply_switch_interval, write_ready_file
 
 log = logging.getLogger("splitserve.runtime")
 
@@ -50,6 +50,7 @@ async def serve(service: str, args, engine, register: Callable[[object], list[st
     runs once bound (before SERVING), e.g. to learn the advertised address; busy() counts the
     requests in flight, which a signal lets finish for up to args.drain_timeout_s (health
     NOT_SERVING and new work refused meanwhile: common/drain.py)."""
+    apply_switch_interval(getattr(args, "gil_switch_interval_ms", None))
     await engine.start()
     metrics = get_metrics(service, engine.info()["model"])
     metrics.restarts.set(env_int("SPLITSERVE_RESTARTS", 0))  # set by `up` when it restarts us

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from typing import Callable, Sequence
 
 from common.auth import add_args as add_auth_args
@@ -33,7 +34,22 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=env_float("SPLITSERVE_DRAIN_TIMEOUT_S", 30.0),
                    help="on SIGTERM / SIGINT: refuse new work, let requests in flight finish for "
                         "up to this long, then exit")
+    p.add_argument("--gil-switch-interval-ms", type=float,
+                   default=env_float("SPLITSERVE_GIL_SWITCH_INTERVAL_MS", None),
+                   help="sys.setswitchinterval for this process: how long the engine thread "
+                        "or the gRPC event loop may hold the GIL while the other waits "
+                        "(Python's default 5 ms; unset keeps it)")
     add_auth_args(p)
+
+
+def apply_switch_interval(ms: float | None) -> None:
+    """--gil-switch-interval-ms: None keeps Python's default; ConfigError outside (0, 1000]."""
+    if ms is None:
+        return
+    if not 0 < ms <= 1000:
+        raise ConfigError(f"--gil-switch-interval-ms / SPLITSERVE_GIL_SWITCH_INTERVAL_MS={ms}: "
+                          "want 0 < ms <= 1000")
+    sys.setswitchinterval(ms / 1000)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -121,3 +121,22 @@ def test_async_scheduling_flag(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_ASYNC_SCHEDULING", "sometimes")
     with pytest.raises(ConfigError, match="async scheduling must be one of"):
         engine_config_from_args(decode_args([]))
+
+
+def test_gil_switch_interval(monkeypatch):
+    from common.service_args import apply_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        monkeypatch.setenv("SPLITSERVE_GIL_SWITCH_INTERVAL_MS", "0.5")
+        a = decode_args([])
+        assert a.gil_switch_interval_ms == 0.5
+        apply_switch_interval(a.gil_switch_interval_ms)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        apply_switch_interval(None)  # unset keeps what is there
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        for bad in (0.0, -1.0, 5000.0):
+            with pytest.raises(ConfigError, match="gil-switch-interval-ms"):
+                apply_switch_interval(bad)
+    finally:
+        sys.setswitchinterval(before)
