@@ -2,7 +2,7 @@
 flash_attn`) vs our Triton kernels, at Llama-3.1-8B attention shapes (32 q / 8 kv heads, d 128,
 bf16, paged KV):
 1. varlen prefill attention TFLOP/s (causal; 8 x 2048 and 1 x 4096 tokens),
-2. paged decode attention GB/s (batch 32 and 64, context 4096), eager and CUDA-graph replay,
+2. paged decode attention TB/s of KV read (batch 32 and 64, context 4096), eager and CUDA-graph replay,
 3. whole 8B prefill steps (random weights) at 512 / 2048 / 4096 tokens with each backend,
 each with its error against the torch reference. Prints a table; JSON to bench/results/.
 
@@ -53,12 +53,12 @@ def _kernel_row(case: str, name: str, seq_lens, q_lens, bs: int, work: float, un
         row["rel_err"] = round(rel_err(out[sub], ref[sub]), 5)
         fn = lambda: be.forward(0, q, k, v, kv, meta)  # noqa: E731
         ms = cuda_time_ms(fn, iters=30, warmup=5)
-        row.update(ms=round(ms, 4), **{unit: round(work / ms / 1e9, 1)})
-        if unit == "GB/s":
+        row.update(ms=round(ms, 4), **{unit: round(work / ms / 1e9, 2 if unit == "TB/s" else 1)})
+        if unit == "TB/s":
             meta.seq_lens_cpu = meta.query_start_loc_cpu = None  # graph-safe metadata only
             try:
                 gms = graph_time_ms([fn])
-                row.update(graph_ms=round(gms, 4), **{"GB/s_graph": round(work / gms / 1e9, 1)})
+                row.update(graph_ms=round(gms, 4), **{"TB/s_graph": round(work / gms / 1e9, 2)})
             except Exception as e:
                 row["graph_error"] = f"{type(e).__name__}: {e}"[:160]
     except Exception as e:
@@ -78,7 +78,7 @@ def kernel_rows(bs: int) -> list[dict]:
         kv_bytes = batch * ctx * HKV * D * 2 * 2  # K and V, bf16
         for name in BACKENDS:
             rows.append(_kernel_row(f"decode {batch}x{ctx}", name, [ctx] * batch, [1] * batch,
-                                    bs, kv_bytes, "GB/s"))
+                                    bs, kv_bytes, "TB/s"))
     return rows
 
 
@@ -107,7 +107,7 @@ def main() -> int:
     rows = kernel_rows(args.block_size)
     if not args.no_model:
         rows += model_rows()
-    cols = ["case", "backend", "ms", "TFLOP/s", "GB/s", "graph_ms", "GB/s_graph", "rel_err", "error"]
+    cols = ["case", "backend", "ms", "TFLOP/s", "TB/s", "graph_ms", "TB/s_graph", "rel_err", "error"]
     print_table(rows, cols)
     path = write_result("attention_backends_gpu", {"block_size": args.block_size,
                                                    "gpu": torch.cuda.get_device_name()},

@@ -13,10 +13,12 @@ PY=${PYTHON:-python3}
 dl() { "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform any -d "$1" "${@:2}"; }
-rm -rf .fa4 && mkdir -p .fa4/part1 .fa4/part2 .fa4/tmp
+rm -rf .fa4 && mkdir -p .fa4/part1 .fa4/part2 .fa4/part3 .fa4/tmp
 dl .fa4/part2 flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+  nvidia-cutlass-dsl-libs-core==4.8.1 \
   apache-tvm-ffi quack-kernels torch-c-dlpack-ext einops
+dl .fa4/part3 "cuda-bindings>=13,<14" cuda-pathfinder  # installed only where the image lacks it
 dl .fa4/tmp nvidia-cutlass-dsl-libs-cu13==4.8.1
 (cd .fa4/tmp && mkdir x && cd x && unzip -q ../*.whl && tar -cf - . | xz -6 -T0 > ../../part1/cutlass_dsl_libs_cu13.tar.xz)
 rm -rf .fa4/tmp
-du -sh .fa4/part1 .fa4/part2
+du -sh .fa4/part1 .fa4/part2 .fa4/part3

@@ -26,9 +26,13 @@ for s in $steps; do
     fa4)  # FlashAttention-4 (lab/fa4_wheels.sh): install from /tmp/fa4 + .fa4/part2, test, compare
       if [ -f /tmp/fa4/cutlass_dsl_libs_cu13.tar.xz ] && [ -d .fa4/part2 ]; then
         mkdir -p /tmp/site && tar -xJf /tmp/fa4/cutlass_dsl_libs_cu13.tar.xz -C /tmp/site \
-          && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4/part2/*.whl \
-          && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-      fi
+          && python3 -c "import sys, zipfile; [zipfile.ZipFile(w).extractall('/tmp/site') for w in sys.argv[1:]]" \
+            .fa4/part2/*.whl \
+          && export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+        python3 -c "import cuda.bindings" 2>/dev/null || { [ -d .fa4/part3 ] \
+          && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4/part3/*.whl; }
+      fi  # wheels unzipped, not pip --target: three of them share nvidia_cutlass_dsl/, which pip
+      # --target skips once it exists; dsl_packages on PYTHONPATH: their .pth does not run from there
       python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.__version__)" 2>&1 | tail -3
       timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_flash_attention.py 2>&1 \
         | tee "$OUT/gpu_fa4.log" | tail -12

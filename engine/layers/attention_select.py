@@ -8,8 +8,9 @@ from engine.layers.attention import AttentionBackend, TorchAttentionBackend
 
 def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
                           head_dim: int, kernels: KernelOptions = DEFAULT_KERNELS) -> AttentionBackend:
-    """Pick a backend by config name. 'auto': triton on cuda, torch on cpu; flash_attn runs
-    only when named (`bench/attention_backends_gpu.py` compares it with triton). Backends
+    """Pick a backend by config name. 'auto': triton on cuda, torch on cpu; flash_attn (FA4) runs
+    only when named: it measured within a few % of triton and JIT-compiles each new shape on
+    first use (`python -m bench.attention_backends_gpu` compares them). Backends
     register lazily so CPU installs need neither. kernels: the engine's KernelOptions (the
     model's set_kernels hands them on as well)."""
     if name == "auto":
