@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -28,20 +27,20 @@ import uuid
 import grpc
 
 from common.auth import InternalAuth, caller_id, prompt_digest, sign_ticket
-from common.convert import FINISH_REASONS, load_to_pb, logprob_to_pb, params_from_pb
+from common.convert import load_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import server_span, set_attrs
-from engine.request import RequestOutput
 from engine.sampling_params import InvalidRequestError
+from decode_svc.streaming import _ABORTED, StreamingMixin, _Abort, _abort_quietly
 from kvtransfer import KVReceiver, TransferError, TransferState
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("splitserve.decode")
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+class DecodeServicer(StreamingMixin, decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine, receiver: KVReceiver, metrics, *, address: str = "",
                  reservation_timeout_s: float = 30.0, transfer_timeout_s: float = 30.0,
                  owner: dict[str, str] | None = None, kv_backends=("grpc",), pair=None,
@@ -232,113 +231,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except RuntimeError as e:
                 await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {e}")
 
-    async def _stream(self, rid, request, params, wait_ms, here: bool = False):
-        """Yield DecodeResponses. The engine stream is read by a pump task into a local queue,
-        so Abort (another RPC) can end this stream at once by queueing _ABORTED.
-        here: the prompt runs in this engine (prefill_here); else its KV is in place and
-        request.first_token_id was sampled by prefill."""
-        prompt = [int(x) for x in request.prompt_token_ids]
-        first = None if here else int(request.first_token_id)
-        tok = self.engine.tokenizer
-        detok = tok.detokenizer(prompt, params) if tok is not None and (request.detokenize or params.stop) else None
-        pending_text, stop = detok.step([first]) if detok is not None and first is not None else ("", None)
-        text_out = bool(request.detokenize)
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump():
-            try:
-                # NOTE: blocks are ours since claim(); a join that fails frees them
-                outs = (self.engine.generate(rid, prompt, params) if here
-                        else self.engine.stream_prefilled(rid, prompt, first, params))
-                async with contextlib.aclosing(outs) as agen:
-                    async for out in agen:
-                        q.put_nowait(out)
-                q.put_nowait(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - delivered to the handler
-                q.put_nowait(e)
-
-        n_gen, t_last, first_msg, outcome = int(not here), time.perf_counter(), True, "abort"
-        t_first = None if here else t_last  # the first token's time: decode time starts there
-        pump_task = None
-        try:
-            if stop is not None:  # the first token already completed a stop string
-                await self.engine.release(rid)
-                outcome = "stop"
-                yield self._msg([], pending_text if text_out else "", [], "stop", stop, wait_ms, n_gen)
-                return
-            pump_task = asyncio.get_running_loop().create_task(pump())
-            self._running[rid] = (pump_task, q)
-            held = None  # an item _coalesce took but could not merge: the next one to handle
-            while True:
-                out, held = _coalesce(held if held is not None else await q.get(), q)
-                if out is _END:
-                    raise RuntimeError("engine stream ended without a finished output")
-                if out is _ABORTED:
-                    yield self._msg([], "", [], "abort", "", 0.0, n_gen)
-                    return
-                if isinstance(out, InvalidRequestError):
-                    outcome = "error"
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
-                if isinstance(out, BaseException):
-                    outcome = "error"
-                    raise RuntimeError(str(out)) from out
-                if out.finish_reason == "error":
-                    outcome = "error"
-                    raise RuntimeError(out.error or "engine error")
-                now = time.perf_counter()
-                if out.queue_s is not None:  # prefill_here: this engine queued and prefilled it
-                    self.metrics.queue_time.observe(out.queue_s)
-                    self.metrics.prefill_time.observe(out.prefill_s)
-                if t_first is None:
-                    t_first = now
-                elif out.new_token_ids:
-                    self.metrics.itl.observe(now - t_last)
-                t_last = now
-                n_gen += len(out.new_token_ids)
-                self._generated += len(out.new_token_ids)
-                self.metrics.generation_tokens.inc(len(out.new_token_ids))
-                text, pending_text = pending_text, ""
-                reason = out.finish_reason if out.finished else None
-                if detok is not None:
-                    delta, stop = detok.step(out.new_token_ids) if out.new_token_ids else ("", None)
-                    text += delta
-                    if stop is not None:
-                        reason = "stop"
-                    elif out.finished:
-                        text += detok.flush()
-                lps = [logprob_to_pb(lp, t) for lp, t in zip(out.logprobs, out.new_token_ids)
-                       if lp is not None] if out.logprobs else []
-                if reason is not None:
-                    # NOTE: before the yield: a caller that closes the stream on reading the
-                    # last message never resumes us, and this request did finish
-                    outcome = reason
-                    self.metrics.decode_time.observe(now - t_first)
-                yield self._msg(out.new_token_ids, text if text_out else "", lps, reason, stop or "",
-                                wait_ms if first_msg else 0.0, n_gen)
-                first_msg = False
-                if reason is not None:
-                    return
-        finally:
-            if self._running.get(rid, (None,))[0] is pump_task:
-                self._running.pop(rid, None)
-                self._callers.pop(rid, None)
-            if pump_task is not None and not pump_task.done():
-                pump_task.cancel()  # closing the engine stream aborts the request
-                # NOTE: if add_prefilled was still queued, the abort below runs after it (FIFO)
-                asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
-            self.metrics.requests.labels(outcome=outcome).inc()
-            if outcome != "error":
-                self.metrics.request_generation_tokens.observe(n_gen)
-
-    @staticmethod
-    def _msg(ids, text, lps, reason, stop, wait_ms, n_gen):
-        return decode_pb2.DecodeResponse(
-            token_ids=ids, text=text, logprobs=[x for x in lps if x is not None],
-            finish_reason=FINISH_REASONS.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED),
-            stop_reason=str(stop or ""), transfer_wait_ms=wait_ms, num_generated=n_gen)
-
     # ---- Release / Abort / Load -------------------------------------------------------
     async def Release(self, request: decode_pb2.ReleaseRequest, context):
         return decode_pb2.ReleaseResponse(found=await self._drop(request, "released", context))
@@ -376,42 +268,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return load_to_pb(self.engine.stats(), reserved=len(pending), device_id=self.device_id,
                           queued_tokens=sum(self._reserved_tokens.values()),
                           tokens_per_s=int(self._rate.update(self._generated)))
-
-
-_END = object()
-_ABORTED = object()
-
-
-async def _abort_quietly(engine, rid: str) -> None:
-    try:
-        await engine.abort(rid)
-    except Exception:  # noqa: BLE001 - engine gone: nothing left to free
-        log.debug("abort of %s failed", rid, exc_info=True)
-
-
-def _mergeable(x) -> bool:
-    return isinstance(x, RequestOutput) and x.finish_reason != "error"
-
-
-def _coalesce(out, q: asyncio.Queue):
-    """Merge the outputs already queued behind `out` into one message (a stream whose reader
-    fell behind catches up in one write instead of one per token). -> (message, an item taken
-    from the queue that could not be merged, to be handled next, or None)."""
-    if not _mergeable(out) or out.finished:
-        return out, None
-    while not q.empty():
-        nxt = q.get_nowait()
-        if not _mergeable(nxt):
-            return out, nxt
-        out = dataclasses.replace(out, new_token_ids=out.new_token_ids + nxt.new_token_ids,
-                                  logprobs=out.logprobs + nxt.logprobs, finished=nxt.finished,
-                                  finish_reason=nxt.finish_reason)
-        if out.finished:
-            break
-    return out, None
-
-
-class _Abort(Exception):
-    def __init__(self, code, msg):
-        super().__init__(msg)
-        self.code = code

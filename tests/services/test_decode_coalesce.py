@@ -1,10 +1,10 @@
-"""decode_svc.servicer._coalesce: outputs queued behind one are merged into one message, in
+"""decode_svc.streaming._coalesce: outputs queued behind one are merged into one message, in
 order, up to a finished one; anything else (an abort marker, an error) is handed back."""
 from __future__ import annotations
 
 import asyncio
 
-from decode_svc.servicer import _coalesce
+from decode_svc.streaming import _coalesce
 from engine.request import RequestOutput
 
 
