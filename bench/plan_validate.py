@@ -78,6 +78,44 @@ def fit_rows(doc: dict, cal, cluster) -> float:
     return (lo + hi) / 2
 
 
+def contention_from(alone: str, contended: str, shape: str) -> float:
+    """Median over the cases both engine_costs results hold of (time with the other engines
+    busy on the device) / (time alone)."""
+    rows = {}
+    for path in (alone, contended):
+        d = json.loads(open(path).read())
+        rows[path] = {r["case"]: r["eager_ms"] for r in d["results"]["rows"] if r.get("shape") == shape}
+    both = [c for c in rows[contended] if c in rows[alone] and rows[alone][c] > 0]
+    if not both:
+        raise ValueError(f"--contended {contended}: no case in common with {alone}")
+    return max(1.0, statistics.median(rows[contended][c] / rows[alone][c] for c in both))
+
+
+def is_cpu(path: str) -> bool:
+    return json.loads(open(path).read()).get("config", {}).get("device", "cuda") == "cpu"
+
+
+def build(a):
+    """(calibration with the serving overheads, cluster, (request, step, row overhead ms))."""
+    pre, dec = points_from_bench(a.calibration, a.shape)
+    padded = a.padded_attention == "on" or (a.padded_attention == "auto" and is_cpu(a.calibration))
+    cont = a.contention if a.contention is not None else \
+        contention_from(a.calibration, a.contended, a.shape) if a.contended else 1.0
+    cal = dataclasses.replace(calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration),
+                              contention=cont, padded_attention=padded)
+    fit = fit_idle(json.loads(open(a.idle).read()), cal) if a.idle else (0.0, 0.0)
+    over = a.overhead_ms if a.overhead_ms is not None else fit[0]
+    step_over = a.step_overhead_ms if a.step_overhead_ms is not None else fit[1]
+    d0, d1, d2 = cal.decode
+    cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over)
+    cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
+                      handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission, devices=a.devices)
+    row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
+        fit_rows(json.loads(open(a.loaded).read()), cal, cluster) if a.loaded else 0.0
+    cal = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+    return cal, cluster, (over, step_over, row_over)
+
+
 def err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas else float("nan")
 
@@ -103,22 +141,20 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-seqs", type=int, default=128)
     ap.add_argument("--admission", action="store_true", help="reject at predicted TTFT > SLO")
+    ap.add_argument("--devices", type=int, default=None, help="replicas share this many devices "
+                    "(1: prefill and decode time-share one GPU / one CPU's cores); default one each")
+    ap.add_argument("--contention", type=float, default=None, help="step stretch while two "
+                    "replicas of a device are mid-step (default 1, or from --contended)")
+    ap.add_argument("--contended", default=None, help="engine_costs result taken with --contend: "
+                    "its rows over --calibration's give the stretch")
+    ap.add_argument("--padded-attention", choices=("auto", "on", "off"), default="auto",
+                    help="decode rows pay for the step's longest context (auto: on for CPU results)")
     ap.add_argument("--tolerance", type=float, default=0.15)
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     try:
-        pre, dec = points_from_bench(a.calibration, a.shape)
-        cal = calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration)
-        fit = fit_idle(json.loads(open(a.idle).read()), cal) if a.idle else (0.0, 0.0)
-        over = a.overhead_ms if a.overhead_ms is not None else fit[0]
-        step_over = a.step_overhead_ms if a.step_overhead_ms is not None else fit[1]
-        d0, d1, d2 = cal.decode
-        cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over)
-        cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
-                          handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission)
-        row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
-            fit_rows(json.loads(open(a.loaded).read()), cal, cluster) if a.loaded else 0.0
-        cal = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+        cal, cluster, fits = build(a)
+        over, step_over, row_over = fits
         points = []
         for path in a.serve:
             doc = json.loads(open(path).read())
@@ -136,10 +172,12 @@ def main(argv=None) -> int:
         print(f"plan_validate: {e}", file=sys.stderr)
         return 2
     p0, p1, p2 = cal.prefill
+    d0, d1, d2 = cal.decode
     print(f"calibration {a.shape}: prefill_ms(n) = {p0:.3g} + {p1:.3g} n + {p2:.3g} n^2; "
-          f"step_ms(B, ctx) = {cal.decode[0]:.3g} + {cal.decode[1]:.3g} B + {d2:.3g} B ctx "
+          f"step_ms(B, ctx) = {d0:.3g} + {d1:.3g} B + {d2:.3g} B {'max ' if cal.padded_attention else ''}ctx "
           f"(overheads incl.: step {step_over:.1f} ms, row {row_over:.2f} ms); request overhead "
-          f"{over:.1f} ms; {cluster.shape}")
+          f"{over:.1f} ms; {cluster.shape}, {cluster.devices or 'a device each'} device(s), "
+          f"contention x{cal.contention:.2f}")
     rows = []
     for p in points:
         row = {"rate": f"{p['rate']:g}", "n": p["requests"]}
@@ -155,7 +193,9 @@ def main(argv=None) -> int:
         print("wrote", write_result("plan_validate", {**vars(a), "cluster": dataclasses.asdict(cluster)},
                                     {"calibration": {"prefill": cal.prefill, "decode": cal.decode,
                                                      "overhead_ms": over, "step_overhead_ms": step_over,
-                                                     "row_overhead_ms": row_over},
+                                                     "row_overhead_ms": row_over,
+                                                     "contention": cal.contention,
+                                                     "padded_attention": cal.padded_attention},
                                      "points": points}))
     return 0
 
