@@ -99,10 +99,13 @@ def build(a):
     """(calibration with the serving overheads, cluster, (request, step, row overhead ms))."""
     pre, dec = points_from_bench(a.calibration, a.shape)
     padded = a.padded_attention == "on" or (a.padded_attention == "auto" and is_cpu(a.calibration))
+    if a.fit_contention and not (a.loaded and a.devices):
+        raise ValueError("--fit-contention needs --loaded and --devices")
     cont = a.contention if a.contention is not None else \
         contention_from(a.calibration, a.contended, a.shape) if a.contended else 1.0
     cal = dataclasses.replace(calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration),
-                              contention=cont, padded_attention=padded)
+                              contention=cont, padded_attention=padded,
+                              contention_decode=not a.fit_contention)
     fit = fit_idle(json.loads(open(a.idle).read()), cal) if a.idle else (0.0, 0.0)
     over = a.overhead_ms if a.overhead_ms is not None else fit[0]
     step_over = a.step_overhead_ms if a.step_overhead_ms is not None else fit[1]
@@ -110,10 +113,38 @@ def build(a):
     cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over)
     cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
                       handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission, devices=a.devices)
-    row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
-        fit_rows(json.loads(open(a.loaded).read()), cal, cluster) if a.loaded else 0.0
+    loaded = json.loads(open(a.loaded).read()) if a.loaded else None
+    row_over = 0.0
+    for _ in range(3 if a.fit_contention else 1):  # the two fits interact: alternate them
+        base = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+        if a.fit_contention:
+            cal = dataclasses.replace(cal, contention=fit_contention(loaded, base, cluster))
+            base = dataclasses.replace(base, contention=cal.contention)
+        base = dataclasses.replace(base, decode=(d0 + step_over, d1, d2))
+        row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
+            fit_rows(loaded, base, cluster) if loaded else 0.0
     cal = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
     return cal, cluster, (over, step_over, row_over)
+
+
+def fit_contention(doc: dict, cal, cluster) -> float:
+    """Contention stretch making the simulated closed loop's P50 TTFT the measured one: the
+    replicas of one device slowing each other, the serving processes on its cores included."""
+    run, reqs = closed_run(doc, False)
+    want, n = run["summary"]["ttft_ms_p50"], int(run["concurrency"])
+
+    def ttft(x: float) -> float:
+        fresh = [dataclasses.replace(r) for r in reqs]
+        return summarize(simulate(fresh, dataclasses.replace(cal, contention=x), cluster,
+                                  concurrency=n))["ttft_ms_p50"]
+
+    lo, hi = 1.0, 4.0
+    if ttft(lo) >= want:
+        return 1.0
+    for _ in range(25):  # TTFT grows with the stretch: bisect
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ttft(mid) < want else (lo, mid)
+    return (lo + hi) / 2
 
 
 def err(pred: float, meas: float) -> float:
@@ -147,6 +178,10 @@ def main(argv=None) -> int:
                     "replicas of a device are mid-step (default 1, or from --contended)")
     ap.add_argument("--contended", default=None, help="engine_costs result taken with --contend: "
                     "its rows over --calibration's give the stretch")
+    ap.add_argument("--fit-contention", action="store_true", help="fit the stretch of prefill "
+                    "steps to --loaded's P50 TTFT instead; decode's share of the sharing stays in "
+                    "the per-row overhead fitted to its P50 TPOT (the CPU case: the serving "
+                    "processes that stream decode's tokens share the prefill engine's cores)")
     ap.add_argument("--padded-attention", choices=("auto", "on", "off"), default="auto",
                     help="decode rows pay for the step's longest context (auto: on for CPU results)")
     ap.add_argument("--tolerance", type=float, default=0.15)
@@ -195,6 +230,7 @@ def main(argv=None) -> int:
                                                      "overhead_ms": over, "step_overhead_ms": step_over,
                                                      "row_overhead_ms": row_over,
                                                      "contention": cal.contention,
+                                                     "contention_decode": cal.contention_decode,
                                                      "padded_attention": cal.padded_attention},
                                      "points": points}))
     return 0

@@ -31,6 +31,7 @@ class Calibration:
     # a step's stretch while two replicas of one device are mid-step (1: no slowdown; 2: strict
     # time-slicing); k replicas: 1 + (contention - 1)(k - 1)
     contention: float = 1.0
+    contention_decode: bool = True       # False: only steps with prompt work stretch
     padded_attention: bool = False        # decode rows pay for the step's longest context (CPU)
 
     def __post_init__(self):

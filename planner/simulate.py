@@ -213,9 +213,9 @@ class Simulator:
         sharing, change who is in flight, and reschedule every end at the new sharing."""
         act = self.active.setdefault(dev, [])
         if act:
-            done = (t - self.synced[dev]) / self.cal.stretch(len(act))
+            k = self.cal.stretch(len(act))
             for r in act:
-                r.work = max(0.0, r.work - done)
+                r.work = max(0.0, r.work - (t - self.synced[dev]) / self._k(r, k))
         self.synced[dev] = t
         if drop is not None:
             act.remove(drop)
@@ -225,7 +225,10 @@ class Simulator:
         k = self.cal.stretch(len(act))
         for r in act:
             r.version += 1
-            self._at(t + r.work * k, self._end, r, r.version)
+            self._at(t + r.work * self._k(r, k), self._end, r, r.version)
+
+    def _k(self, rep: Replica, k: float) -> float:
+        return k if rep.prefills or self.cal.contention_decode else 1.0
 
     def _end(self, t: float, rep: Replica, version: int) -> None:
         if version != rep.version:

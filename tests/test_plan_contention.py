@@ -87,3 +87,8 @@ def test_contention_is_the_median_ratio_of_shared_cases(tmp_path):
     assert not plan_validate.is_cpu(alone)
     with pytest.raises(ValueError, match="no case in common"):
         plan_validate.contention_from(alone, _costs(tmp_path / "c.json", "cuda", {"x": 1.0}), "s")
+
+
+def test_decode_keeps_its_rate_when_only_prompt_steps_stretch():
+    a, b = _pair(50, _cal(contention=2.0, contention_decode=False), 1)
+    assert b.ttft_ms == pytest.approx(200) and a.tpot_ms == pytest.approx(10)
