@@ -58,18 +58,19 @@ def closed_run(doc: dict, want_one: bool) -> tuple[dict, list]:
     return run, reqs
 
 
-def fit_rows(doc: dict, cal, cluster) -> float:
-    """Per-row step overhead (ms) making the simulated closed loop's P50 TPOT the measured one."""
+def fit_rows(doc: dict, cal, cluster, growth: bool = False) -> float:
+    """Per-row step overhead (ms; with `growth` the per-row-per-row one, Calibration.row_growth)
+    making the simulated closed loop's P50 TPOT the measured one."""
     run, reqs = closed_run(doc, False)
     want, n = run["summary"]["tpot_ms_p50"], int(run["concurrency"])
     d0, d1, d2 = cal.decode
 
     def tpot(x: float) -> float:
-        c = dataclasses.replace(cal, decode=(d0, d1 + x, d2))
+        c = dataclasses.replace(cal, row_growth=x) if growth else dataclasses.replace(cal, decode=(d0, d1 + x, d2))
         fresh = [dataclasses.replace(r) for r in reqs]
         return summarize(simulate(fresh, c, cluster, concurrency=n))["tpot_ms_p50"]
 
-    lo, hi = 0.0, 50.0
+    lo, hi = 0.0, 1.0 if growth else 50.0
     if tpot(lo) >= want:
         return 0.0
     for _ in range(30):  # TPOT grows with the row cost: bisect
@@ -114,9 +115,13 @@ def build(a):
     cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
                       handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission, devices=a.devices)
     loaded = json.loads(open(a.loaded).read()) if a.loaded else None
+    high = json.loads(open(a.loaded_high).read()) if a.loaded_high else None
     row_over = 0.0
-    for _ in range(3 if a.fit_contention else 1):  # the two fits interact: alternate them
+    for _ in range(3 if a.fit_contention or high else 1):  # the fits interact: alternate them
         base = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+        if high:
+            cal = dataclasses.replace(cal, row_growth=fit_rows(high, base, cluster, growth=True))
+            base = dataclasses.replace(base, row_growth=cal.row_growth)
         if a.fit_contention:
             cal = dataclasses.replace(cal, contention=fit_contention(loaded, base, cluster))
             base = dataclasses.replace(base, contention=cal.contention)
@@ -178,6 +183,8 @@ def main(argv=None) -> int:
                     "replicas of a device are mid-step (default 1, or from --contended)")
     ap.add_argument("--contended", default=None, help="engine_costs result taken with --contend: "
                     "its rows over --calibration's give the stretch")
+    ap.add_argument("--loaded-high", default=None, help="closed-loop bench.serve result at a larger "
+                    "concurrency than --loaded: fits the per-row cost's growth with the batch")
     ap.add_argument("--fit-contention", action="store_true", help="fit the stretch of prefill "
                     "steps to --loaded's P50 TTFT instead; decode's share of the sharing stays in "
                     "the per-row overhead fitted to its P50 TPOT (the CPU case: the serving "
@@ -210,7 +217,7 @@ def main(argv=None) -> int:
     d0, d1, d2 = cal.decode
     print(f"calibration {a.shape}: prefill_ms(n) = {p0:.3g} + {p1:.3g} n + {p2:.3g} n^2; "
           f"step_ms(B, ctx) = {d0:.3g} + {d1:.3g} B + {d2:.3g} B {'max ' if cal.padded_attention else ''}ctx "
-          f"(overheads incl.: step {step_over:.1f} ms, row {row_over:.2f} ms); request overhead "
+          f"+ {cal.row_growth:.3g} B^2 (overheads incl.: step {step_over:.1f} ms, row {row_over:.2f} ms); request overhead "
           f"{over:.1f} ms; {cluster.shape}, {cluster.devices or 'a device each'} device(s), "
           f"contention x{cal.contention:.2f}")
     rows = []
@@ -231,6 +238,7 @@ def main(argv=None) -> int:
                                                      "row_overhead_ms": row_over,
                                                      "contention": cal.contention,
                                                      "contention_decode": cal.contention_decode,
+                                                     "row_growth": cal.row_growth,
                                                      "padded_attention": cal.padded_attention},
                                      "points": points}))
     return 0

@@ -31,6 +31,9 @@ class Calibration:
     # a step's stretch while two replicas of one device are mid-step (1: no slowdown; 2: strict
     # time-slicing); k replicas: 1 + (contention - 1)(k - 1)
     contention: float = 1.0
+    # serving-path cost a row per row of the batch (ms): streaming B tokens a step through
+    # processes sharing the engine's cores costs more per token as B grows
+    row_growth: float = 0.0
     contention_decode: bool = True       # False: only steps with prompt work stretch
     padded_attention: bool = False        # decode rows pay for the step's longest context (CPU)
 

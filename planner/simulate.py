@@ -85,7 +85,7 @@ def step_cost(cal: Calibration, chunks: list[tuple[int, int]], rows: int, ctx_su
         t += p0 + sum(p1 * n + p2 * n * (n + past) for n, past in chunks)
     if rows:
         ctx = rows * max(ctx_max, ctx_sum / rows) if cal.padded_attention else ctx_sum
-        t += d0 + d1 * rows + d2 * ctx
+        t += d0 + d1 * rows + cal.row_growth * rows * rows + d2 * ctx
     if chunks and rows:
         t -= min(p0, d0)
     return t

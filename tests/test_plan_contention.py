@@ -92,3 +92,25 @@ def test_contention_is_the_median_ratio_of_shared_cases(tmp_path):
 def test_decode_keeps_its_rate_when_only_prompt_steps_stretch():
     a, b = _pair(50, _cal(contention=2.0, contention_decode=False), 1)
     assert b.ttft_ms == pytest.approx(200) and a.tpot_ms == pytest.approx(10)
+
+
+def _closed(conc: int, made: Calibration, n: int) -> dict:
+    from planner.replay import summarize, trace_requests
+
+    out = simulate(trace_requests(n, 1.0, "lognormal:64,0.6", "fixed:16"), made, Cluster(0, 1), concurrency=conc)
+    return {"benchmark": "serve", "config": {"input_len": "lognormal:64,0.6", "output_len": "fixed:16", "seed": 0},
+            "results": {"runs": [{"label": "A", "concurrency": conc, "summary": summarize(out),
+                                  "requests": [{}] * n}]}}
+
+
+def test_row_cost_growth_fits_back_from_two_loads():
+    """Runs made with a per-row cost of 2 ms + 0.05 ms x batch: the c=8 and c=32 fits recover it."""
+    cal = Calibration((30.0, 0.3, 0.0), (20.0, 1.5, 0.005))
+    made = Calibration(cal.prefill, (20.0, 3.5, 0.005), row_growth=0.05)
+    lo, hi = _closed(8, made, 48), _closed(32, made, 96)
+    row, growth = 0.0, 0.0
+    for _ in range(4):
+        growth = plan_validate.fit_rows(hi, Calibration(cal.prefill, (20.0, 1.5 + row, 0.005)),
+                                        Cluster(0, 1), growth=True)
+        row = plan_validate.fit_rows(lo, Calibration(cal.prefill, cal.decode, row_growth=growth), Cluster(0, 1))
+    assert growth == pytest.approx(0.05, rel=0.15) and row == pytest.approx(2.0, abs=0.3)
