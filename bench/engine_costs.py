@@ -4,7 +4,11 @@ N-token prompt) to check how the planner composes them. Every time is one Engine
 (scheduling, forward, sampling, detokenizing), median over --reps.
 
     python -m bench.engine_costs [--device cpu] [--threads 2] [--prefill 16,64,...]
-        [--batches 1,4,8,16,32] [--contexts 32,256] [--mixed 8x64+128,...]
+        [--batches 1,4,8,16,32] [--contexts 32,256] [--mixed 8x64+128,...] [--contend 1]
+
+--contend K: the same rows timed while K other engine processes on the same device (CPU cores
+or one GPU) decode back to back (--contend-batch rows at --contend-ctx); their ratio to a run
+without is the planner's contention stretch (bench/plan_validate.py --contended).
 
 Rows use engine_gpu's case names ('prefill N', 'decode b=B ctx=C', 'mixed b=B ctx=C n=N') with
 `eager_ms`, so `splitserve plan --calibration` reads this file too. JSON to
@@ -13,6 +17,7 @@ bench/results/engine_costs-<stamp>.json.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import random
 import statistics
 import time
@@ -78,6 +83,27 @@ def mixed_ms(eng: Engine, rng: random.Random, batch: int, ctx: int, n: int, tag:
     return ms
 
 
+def _engine(a) -> Engine:
+    if a.device == "cpu":
+        torch.set_num_threads(a.threads)
+    return Engine(EngineConfig(model=ModelConfig(a.model, dtype=a.dtype),
+                               scheduler=SchedulerConfig(max_num_seqs=256),
+                               device=DeviceConfig(device=a.device), **a.engine_extra))
+
+
+def _busy(a, ready, stop) -> None:
+    """A contending engine: decode `contend_batch` rows back to back until `stop` is set."""
+    eng = _engine(a)
+    rng = random.Random(1)
+    ids = _decoding(eng, rng, "bg", a.contend_batch, a.contend_ctx)
+    ready.set()
+    while not stop.is_set():
+        eng.step()
+        if not eng.has_unfinished():  # never expected (max_tokens is huge): keep it busy anyway
+            ids = _decoding(eng, rng, f"bg{random.random()}", a.contend_batch, a.contend_ctx)
+    _drain(eng, ids)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_costs")
     ap.add_argument("--model", default="default", help="engine model (default: the embedded SmolLM2)")
@@ -90,12 +116,40 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="32,256")
     ap.add_argument("--mixed", default="8x64+128,16x128+64", help="BxCTX+N,...")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--contend", type=int, default=0, help="other engine processes busy on the device")
+    ap.add_argument("--contend-batch", type=int, default=8)
+    ap.add_argument("--contend-ctx", type=int, default=128)
+    ap.add_argument("--kv-cache-bytes", type=int, default=None, help="each engine's KV budget "
+                    "(on one GPU several engines must fit)")
     a = ap.parse_args(argv)
-    if a.device == "cpu":
-        torch.set_num_threads(a.threads)
-    eng = Engine(EngineConfig(model=ModelConfig(a.model, dtype=a.dtype),
-                              scheduler=SchedulerConfig(max_num_seqs=256),
-                              device=DeviceConfig(device=a.device)))
+    if a.contend < 0:
+        ap.error("--contend must be >= 0")
+    a.engine_extra = {}
+    if a.kv_cache_bytes:
+        from engine.config import CacheConfig
+        a.engine_extra["cache"] = CacheConfig(kv_cache_bytes=a.kv_cache_bytes)
+    eng = _engine(a)
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    stop, others = ctx.Event(), []
+    for _ in range(a.contend):
+        ready = ctx.Event()
+        others.append(ctx.Process(target=_busy, args=(a, ready, stop), daemon=True))
+        others[-1].start()
+        if not ready.wait(600):
+            raise SystemExit("a contending engine did not start within 600 s")
+    try:
+        rows = _measure(a, eng)
+    finally:
+        stop.set()
+        for p in others:
+            p.join(60)
+    print_table(rows, ["case", "eager_ms"])
+    conf = {k: v for k, v in vars(a).items() if k != "engine_extra"}
+    print("wrote", write_result("engine_costs", conf, {"rows": rows}))
+    return 0
+
+
+def _measure(a, eng: Engine) -> list[dict]:
     rng = random.Random(0)
     prefill_ms(eng, rng, 64, "warm")
     rows, k = [], 0
@@ -119,9 +173,7 @@ def main(argv=None) -> int:
         bc, _, n = spec.partition("+")
         b, _, c = bc.partition("x")
         add(f"mixed b={b} ctx={c} n={n}", mixed_ms, int(b), int(c), int(n))
-    print_table(rows, ["case", "eager_ms"])
-    print("wrote", write_result("engine_costs", vars(a), {"rows": rows}))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

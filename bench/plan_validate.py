@@ -58,23 +58,97 @@ def closed_run(doc: dict, want_one: bool) -> tuple[dict, list]:
     return run, reqs
 
 
-def fit_rows(doc: dict, cal, cluster) -> float:
-    """Per-row step overhead (ms) making the simulated closed loop's P50 TPOT the measured one."""
+def fit_rows(doc: dict, cal, cluster, growth: bool = False) -> float:
+    """Per-row step overhead (ms; with `growth` the per-row-per-row one, Calibration.row_growth)
+    making the simulated closed loop's P50 TPOT the measured one."""
     run, reqs = closed_run(doc, False)
     want, n = run["summary"]["tpot_ms_p50"], int(run["concurrency"])
     d0, d1, d2 = cal.decode
 
     def tpot(x: float) -> float:
-        c = dataclasses.replace(cal, decode=(d0, d1 + x, d2))
+        c = dataclasses.replace(cal, row_growth=x) if growth else dataclasses.replace(cal, decode=(d0, d1 + x, d2))
         fresh = [dataclasses.replace(r) for r in reqs]
         return summarize(simulate(fresh, c, cluster, concurrency=n))["tpot_ms_p50"]
 
-    lo, hi = 0.0, 50.0
+    lo, hi = 0.0, 1.0 if growth else 50.0
     if tpot(lo) >= want:
         return 0.0
     for _ in range(30):  # TPOT grows with the row cost: bisect
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if tpot(mid) < want else (lo, mid)
+    return (lo + hi) / 2
+
+
+def contention_from(alone: str, contended: str, shape: str) -> float:
+    """Median over the cases both engine_costs results hold of (time with the other engines
+    busy on the device) / (time alone)."""
+    rows = {}
+    for path in (alone, contended):
+        d = json.loads(open(path).read())
+        rows[path] = {r["case"]: r["eager_ms"] for r in d["results"]["rows"] if r.get("shape") == shape}
+    both = [c for c in rows[contended] if c in rows[alone] and rows[alone][c] > 0]
+    if not both:
+        raise ValueError(f"--contended {contended}: no case in common with {alone}")
+    return max(1.0, statistics.median(rows[contended][c] / rows[alone][c] for c in both))
+
+
+def is_cpu(path: str) -> bool:
+    return json.loads(open(path).read()).get("config", {}).get("device", "cuda") == "cpu"
+
+
+def build(a):
+    """(calibration with the serving overheads, cluster, (request, step, row overhead ms))."""
+    pre, dec = points_from_bench(a.calibration, a.shape)
+    padded = a.padded_attention == "on" or (a.padded_attention == "auto" and is_cpu(a.calibration))
+    if a.fit_contention and not (a.loaded and a.devices):
+        raise ValueError("--fit-contention needs --loaded and --devices")
+    cont = a.contention if a.contention is not None else \
+        contention_from(a.calibration, a.contended, a.shape) if a.contended else 1.0
+    cal = dataclasses.replace(calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration),
+                              contention=cont, padded_attention=padded,
+                              contention_decode=not a.fit_contention)
+    fit = fit_idle(json.loads(open(a.idle).read()), cal) if a.idle else (0.0, 0.0)
+    over = a.overhead_ms if a.overhead_ms is not None else fit[0]
+    step_over = a.step_overhead_ms if a.step_overhead_ms is not None else fit[1]
+    d0, d1, d2 = cal.decode
+    cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over)
+    cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
+                      handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission, devices=a.devices)
+    loaded = json.loads(open(a.loaded).read()) if a.loaded else None
+    high = json.loads(open(a.loaded_high).read()) if a.loaded_high else None
+    row_over = 0.0
+    for _ in range(3 if a.fit_contention or high else 1):  # the fits interact: alternate them
+        base = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+        if high:
+            cal = dataclasses.replace(cal, row_growth=fit_rows(high, base, cluster, growth=True))
+            base = dataclasses.replace(base, row_growth=cal.row_growth)
+        if a.fit_contention:
+            cal = dataclasses.replace(cal, contention=fit_contention(loaded, base, cluster))
+            base = dataclasses.replace(base, contention=cal.contention)
+        base = dataclasses.replace(base, decode=(d0 + step_over, d1, d2))
+        row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
+            fit_rows(loaded, base, cluster) if loaded else 0.0
+    cal = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+    return cal, cluster, (over, step_over, row_over)
+
+
+def fit_contention(doc: dict, cal, cluster) -> float:
+    """Contention stretch making the simulated closed loop's P50 TTFT the measured one: the
+    replicas of one device slowing each other, the serving processes on its cores included."""
+    run, reqs = closed_run(doc, False)
+    want, n = run["summary"]["ttft_ms_p50"], int(run["concurrency"])
+
+    def ttft(x: float) -> float:
+        fresh = [dataclasses.replace(r) for r in reqs]
+        return summarize(simulate(fresh, dataclasses.replace(cal, contention=x), cluster,
+                                  concurrency=n))["ttft_ms_p50"]
+
+    lo, hi = 1.0, 4.0
+    if ttft(lo) >= want:
+        return 1.0
+    for _ in range(25):  # TTFT grows with the stretch: bisect
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ttft(mid) < want else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -103,22 +177,26 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-seqs", type=int, default=128)
     ap.add_argument("--admission", action="store_true", help="reject at predicted TTFT > SLO")
+    ap.add_argument("--devices", type=int, default=None, help="replicas share this many devices "
+                    "(1: prefill and decode time-share one GPU / one CPU's cores); default one each")
+    ap.add_argument("--contention", type=float, default=None, help="step stretch while two "
+                    "replicas of a device are mid-step (default 1, or from --contended)")
+    ap.add_argument("--contended", default=None, help="engine_costs result taken with --contend: "
+                    "its rows over --calibration's give the stretch")
+    ap.add_argument("--loaded-high", default=None, help="closed-loop bench.serve result at a larger "
+                    "concurrency than --loaded: fits the per-row cost's growth with the batch")
+    ap.add_argument("--fit-contention", action="store_true", help="fit the stretch of prefill "
+                    "steps to --loaded's P50 TTFT instead; decode's share of the sharing stays in "
+                    "the per-row overhead fitted to its P50 TPOT (the CPU case: the serving "
+                    "processes that stream decode's tokens share the prefill engine's cores)")
+    ap.add_argument("--padded-attention", choices=("auto", "on", "off"), default="auto",
+                    help="decode rows pay for the step's longest context (auto: on for CPU results)")
     ap.add_argument("--tolerance", type=float, default=0.15)
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     try:
-        pre, dec = points_from_bench(a.calibration, a.shape)
-        cal = calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration)
-        fit = fit_idle(json.loads(open(a.idle).read()), cal) if a.idle else (0.0, 0.0)
-        over = a.overhead_ms if a.overhead_ms is not None else fit[0]
-        step_over = a.step_overhead_ms if a.step_overhead_ms is not None else fit[1]
-        d0, d1, d2 = cal.decode
-        cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over)
-        cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
-                          handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission)
-        row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
-            fit_rows(json.loads(open(a.loaded).read()), cal, cluster) if a.loaded else 0.0
-        cal = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
+        cal, cluster, fits = build(a)
+        over, step_over, row_over = fits
         points = []
         for path in a.serve:
             doc = json.loads(open(path).read())
@@ -136,10 +214,12 @@ def main(argv=None) -> int:
         print(f"plan_validate: {e}", file=sys.stderr)
         return 2
     p0, p1, p2 = cal.prefill
+    d0, d1, d2 = cal.decode
     print(f"calibration {a.shape}: prefill_ms(n) = {p0:.3g} + {p1:.3g} n + {p2:.3g} n^2; "
-          f"step_ms(B, ctx) = {cal.decode[0]:.3g} + {cal.decode[1]:.3g} B + {d2:.3g} B ctx "
-          f"(overheads incl.: step {step_over:.1f} ms, row {row_over:.2f} ms); request overhead "
-          f"{over:.1f} ms; {cluster.shape}")
+          f"step_ms(B, ctx) = {d0:.3g} + {d1:.3g} B + {d2:.3g} B {'max ' if cal.padded_attention else ''}ctx "
+          f"+ {cal.row_growth:.3g} B^2 (overheads incl.: step {step_over:.1f} ms, row {row_over:.2f} ms); request overhead "
+          f"{over:.1f} ms; {cluster.shape}, {cluster.devices or 'a device each'} device(s), "
+          f"contention x{cal.contention:.2f}")
     rows = []
     for p in points:
         row = {"rate": f"{p['rate']:g}", "n": p["requests"]}
@@ -155,7 +235,11 @@ def main(argv=None) -> int:
         print("wrote", write_result("plan_validate", {**vars(a), "cluster": dataclasses.asdict(cluster)},
                                     {"calibration": {"prefill": cal.prefill, "decode": cal.decode,
                                                      "overhead_ms": over, "step_overhead_ms": step_over,
-                                                     "row_overhead_ms": row_over},
+                                                     "row_overhead_ms": row_over,
+                                                     "contention": cal.contention,
+                                                     "contention_decode": cal.contention_decode,
+                                                     "row_growth": cal.row_growth,
+                                                     "padded_attention": cal.padded_attention},
                                      "points": points}))
     return 0
 

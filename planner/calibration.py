@@ -28,6 +28,18 @@ class Calibration:
     source: str = "flags"
     points: dict = field(default_factory=dict, compare=False)
     ttft_overhead_ms: float = 0.0         # per request on top of prefill: gateway and RPC hops
+    # a step's stretch while two replicas of one device are mid-step (1: no slowdown; 2: strict
+    # time-slicing); k replicas: 1 + (contention - 1)(k - 1)
+    contention: float = 1.0
+    # serving-path cost a row per row of the batch (ms): streaming B tokens a step through
+    # processes sharing the engine's cores costs more per token as B grows
+    row_growth: float = 0.0
+    contention_decode: bool = True       # False: only steps with prompt work stretch
+    padded_attention: bool = False        # decode rows pay for the step's longest context (CPU)
+
+    def __post_init__(self):
+        if not self.contention >= 1.0:
+            raise ValueError(f"contention must be >= 1 (a shared device never speeds a step), got {self.contention}")
 
     def prefill_ms(self, n: float) -> float:
         p0, p1, p2 = self.prefill
@@ -36,6 +48,9 @@ class Calibration:
     def step_ms(self, batch: float, ctx: float) -> float:
         d0, d1, d2 = self.decode
         return d0 + d1 * batch + d2 * batch * ctx
+
+    def stretch(self, k: int) -> float:
+        return 1.0 + (self.contention - 1.0) * max(0, k - 1)
 
     def handoff_ms(self, n: float) -> float:
         return n * self.kv_bytes_per_token / (self.kv_gbps * 1e6) if self.kv_gbps > 0 else 0.0

@@ -35,12 +35,15 @@ class Cluster:
     chunk: int | None = None         # long_prefill_token_threshold
     handoff_fixed_ms: float = 0.0    # per-request KV handoff cost besides bytes / rate
     admission: bool = False
+    devices: int | None = None       # None: a device per replica; N: replicas share N devices
 
     def __post_init__(self):
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"need prefill >= 0 and decode >= 1 replicas, got {self.prefill}P{self.decode}D")
         if self.max_batched_tokens < 1 or self.max_seqs < 1:
             raise ValueError("max_batched_tokens and max_seqs must be >= 1")
+        if self.devices is not None and self.devices < 1:
+            raise ValueError(f"devices must be >= 1 (or None: one per replica), got {self.devices}")
 
     @property
     def shape(self) -> str:
@@ -70,16 +73,19 @@ class SimRequest:
         return (self.end_ms - self.first_ms) / (self.output_len - 1)
 
 
-def step_cost(cal: Calibration, chunks: list[tuple[int, int]], rows: int, ctx_sum: float) -> float:
-    """ms of one step: prompt chunks (new tokens, tokens already computed) and `rows` decode
-    rows whose contexts sum to ctx_sum. A mixed step pays the fixed cost once (one forward)."""
+def step_cost(cal: Calibration, chunks: list[tuple[int, int]], rows: int, ctx_sum: float,
+              ctx_max: float = 0.0) -> float:
+    """ms of one step alone on its device: prompt chunks (new tokens, tokens already computed)
+    and `rows` decode rows whose contexts sum to ctx_sum (longest ctx_max). A mixed step pays
+    the fixed cost once (one forward)."""
     p0, p1, p2 = cal.prefill
     d0, d1, d2 = cal.decode
     t = 0.0
     if chunks:
         t += p0 + sum(p1 * n + p2 * n * (n + past) for n, past in chunks)
     if rows:
-        t += d0 + d1 * rows + d2 * ctx_sum
+        ctx = rows * max(ctx_max, ctx_sum / rows) if cal.padded_attention else ctx_sum
+        t += d0 + d1 * rows + cal.row_growth * rows * rows + d2 * ctx
     if chunks and rows:
         t -= min(p0, d0)
     return t
@@ -97,6 +103,14 @@ class Replica:
     steps: int = 0
     busy: bool = False
     queued_tokens: int = 0                          # prompt tokens not yet computed
+    device: int = 0
+    work: float = 0.0                               # ms alone left of the step in flight
+    version: int = 0                                # its end event's; older ones are stale
+    step: dict = field(default_factory=dict)        # the step in flight: chunks, rows
+
+    def ctx_max(self) -> int:
+        """Longest context among the running rows (a row's grows by one token a step)."""
+        return max((r.input_len + r.output_len - f for f, _, r in self.rows), default=0) + self.steps
 
     def load(self) -> int:
         return len(self.rows) + len(self.joining)
@@ -107,8 +121,14 @@ class Simulator:
         self.cal, self.c = cal, cluster
         self.overhead = cal.ttft_overhead_ms if overhead_ms is None else overhead_ms
         colo = cluster.prefill == 0
-        self.pre = [Replica(i, True, colo) for i in range(cluster.prefill or cluster.decode)]
-        self.dec = self.pre if colo else [Replica(i, False, True) for i in range(cluster.decode)]
+        n = cluster.devices
+        self.pre = [Replica(i, True, colo, device=i if n is None else i % n)
+                    for i in range(cluster.prefill or cluster.decode)]
+        self.dec = self.pre if colo else [
+            Replica(i, False, True, device=cluster.prefill + i if n is None else i % n)
+            for i in range(cluster.decode)]
+        self.active: dict[int, list[Replica]] = {}  # device -> replicas mid-step
+        self.synced: dict[int, float] = {}          # device -> when its work was last charged
         self.events: list = []
         self.seq = 0
 
@@ -183,10 +203,38 @@ class Simulator:
         if not chunks and not rows:
             return  # rows waiting on max_seqs only: nothing can run until one finishes
         rep.busy = True
-        cost = step_cost(self.cal, [(n, r.done) for r, n in chunks], rows, rep.ctx_sum)
-        self._at(t + cost, self._end, rep, chunks, rows)
+        ctx_max = rep.ctx_max() if rows and self.cal.padded_attention else 0
+        rep.work = step_cost(self.cal, [(n, r.done) for r, n in chunks], rows, rep.ctx_sum, ctx_max)
+        self._share(t, rep.device, add=rep, chunks=chunks, rows=rows)
 
-    def _end(self, t: float, rep: Replica, chunks: list, rows: int) -> None:
+    def _share(self, t: float, dev: int, add: Replica | None = None, drop: Replica | None = None,
+               **step) -> None:
+        """Charge the device's steps in flight for the time since the last change at the old
+        sharing, change who is in flight, and reschedule every end at the new sharing."""
+        act = self.active.setdefault(dev, [])
+        if act:
+            k = self.cal.stretch(len(act))
+            for r in act:
+                r.work = max(0.0, r.work - (t - self.synced[dev]) / self._k(r, k))
+        self.synced[dev] = t
+        if drop is not None:
+            act.remove(drop)
+        if add is not None:
+            act.append(add)
+            add.step = step
+        k = self.cal.stretch(len(act))
+        for r in act:
+            r.version += 1
+            self._at(t + r.work * self._k(r, k), self._end, r, r.version)
+
+    def _k(self, rep: Replica, k: float) -> float:
+        return k if rep.prefills or self.cal.contention_decode else 1.0
+
+    def _end(self, t: float, rep: Replica, version: int) -> None:
+        if version != rep.version:
+            return  # the sharing changed after this end was scheduled
+        self._share(t, rep.device, drop=rep)
+        chunks, rows = rep.step["chunks"], rep.step["rows"]
         rep.busy = False
         rep.steps += 1
         rep.ctx_sum += rows
