@@ -38,7 +38,10 @@ class AdmitPath:
         p = order_prefill(self.prefill.replicas, self.predictor, n, cached)[0]
         d = order_decode(self.decode.replicas, self.predictor)[0]
         route.prefill, route.cached = p, cached[p.address]
-        pred = self.predictor.predict(p.load, d.load, n, route.cached)
+        # admitted requests still prefilling join a decode batch before this one would
+        joining = sum(r.load.inflight_requests for r in self.prefill.replicas) // max(
+            1, sum(r.healthy for r in self.decode.replicas))
+        pred = self.predictor.predict(p.load, d.load, n, route.cached, joining)
         ttft, tpot = self._slos(req)
         cfg = self.admission_cfg
         dec = decide(pred, ttft, tpot, waited_ms, cfg.max_queue_ms, self.predictor.early_reject_slack())

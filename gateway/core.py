@@ -35,7 +35,7 @@ from gateway.admission_queue import AdmissionQueue
 from gateway.admit_path import AdmitPath
 from gateway.downstream import Downstream
 from gateway.routing import PrefixIndex, Replica, ReplicaPool, Route, order_decode
-from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid
+from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid, prediction_timings
 
 log = logging.getLogger("splitserve.gateway.core")
 _END = object()  # end of a request's chunk queue
@@ -216,6 +216,8 @@ class GatewayCore(AdmitPath, Downstream):
                            + (pt.queue_ms if pt else 0.0),
                            prefill_ms=pt.prefill_ms if pt else ttft_ms - (t_admitted - req.arrival) * 1e3,
                            transfer_ms=pt.transfer_ms if pt else 0.0)
+            if route.prediction is not None:
+                timings.update(prediction_timings(route.prediction, route.t_decided - req.arrival))
 
         def finish_chunk(ids, text, lps, reason, stop_reason="") -> GenChunk:
             now = time.monotonic()
