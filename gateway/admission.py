@@ -142,9 +142,15 @@ class Predictor:
     # ---- observations
     def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
         if num_tokens > 0 and prefill_ms > 0:
-            self.prefill_fit.add(num_tokens, prefill_ms)
+            # NOTE: a cold engine's first prompts take seconds: an unclipped one fixes a slope
+            # (two samples do) that rejects every later request as "too slow even when idle",
+            # and rejected requests bring no samples to undo it. Clipped to 3x the fit, a
+            # genuinely slower replica is still learned within a few prompts.
+            self.prefill_fit.add(num_tokens, min(prefill_ms, 3 * self.prefill_fit(num_tokens) + 10.0))
         if transfer_ms is not None and num_tokens > 0:
-            self.transfer_per_token.update(transfer_ms / num_tokens)
+            t = transfer_ms / num_tokens
+            v = self.transfer_per_token.value
+            self.transfer_per_token.update(min(t, 3 * v + 0.05) if v else t)
 
     def observe_decode_gap(self, gap_ms: float, batch: int) -> None:
         """A token gap measured at the gateway at a (polled) decode batch size."""
