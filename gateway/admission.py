@@ -1,26 +1,22 @@
 """Delay-aware admission control: admit, queue until a deadline, or reject early.
 
 Prediction (per candidate replica pair, see `Predictor`):
-    TTFT = (max(queued prefill tokens on the replica, tokens the gateway has in flight there)
-            + this prompt's uncached tokens) / prefill rate + transfer estimate + fixed overhead
-    TPOT = decode step time at the replica's batch size + 1, inflated as KV usage nears full
-The delay models are fitted online (`OnlineLinear`, exponentially weighted least squares from
-a prior): prefill time = a + b * new tokens from PrefillResponse timings, decode step time =
-a + b * batch from the gateway's token gaps; Load RPCs add queue lengths, batch sizes, KV
-usage, measured step times, and a throughput floor for the prefill rate.
+    TTFT = (max(queued prefill tokens there, tokens the gateway has admitted there and not
+            seen finish) + this prompt's uncached tokens) / prefill rate + transfer + overhead
+    TPOT = decode step time at the batch (running + admitted still prefilling + 1), inflated
+           as KV usage nears full
+Fitted online (`OnlineLinear`): prefill ms = a + b * new tokens (PrefillResponse timings),
+decode step ms = a + b * batch (the gateway's token gaps); Load adds the rest.
 
 Calibration: each admitted request's prediction is compared with what it then got (TTFT from
-the admit decision to its first token, TPOT over its whole stream). A `Calibrator` per quantity
-corrects later predictions per load bucket (TTFT: how much prefill work is queued ahead
-relative to the prompt's own; TPOT: the decode batch size): corrected = offset + factor * raw,
-the offset (TTFT only) learned where nothing is queued ahead, the factor bounded to [1/2, 2],
-so a model off by a factor or by a fixed delay stops being off and the correction can never
-turn into a constant. It also keeps the recent absolute percentage errors (exported as
-metrics). Decisions use the corrected estimate times a headroom: the 90th percentile of the
-bucket's recent observed / estimated ratios (>= 1), so the admitted requests meet their SLO,
-not just half of them; a nearly idle replica (queued work ahead at most the prompt's own)
-admits on the estimate alone, since the headroom guards against queueing error, not
-against a request that would meet its SLO with no queue at all.
+the admit decision to its first token, TPOT over its stream). A `Calibrator` per quantity
+corrects it per load bucket (TTFT: work queued ahead relative to the prompt's own; TPOT: the
+batch): corrected = offset + factor * raw, the offset (TTFT) learned with nothing queued ahead,
+the factor bounded to [1/2, 2], so the correction can never turn into a constant. Decisions use
+the corrected estimate times a headroom (the 90th percentile of the bucket's recent observed /
+estimated ratios, >= 1) so admitted requests meet their SLO, not just half of them; a nearly
+idle replica gets none: it covers queueing error, and a request that meets its SLO with no
+queue must not be turned away at low load.
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
 at all means "admit whenever there is room"):
@@ -233,14 +229,11 @@ class Predictor:
         tc, pc = self.ttft_cal, self.tpot_cal
         et, ep = tc.correct(ttft, bt), pc.correct(tpot, bp)
         q = self.cfg.headroom_quantile
-        # NOTE: no headroom on a nearly idle replica (queued work ahead <= the prompt's own;
-        # a batch of <= 2): it covers queueing and batching error, and without it a request
-        # that meets its SLO with no queue is never turned away at low load
+        # NOTE: no headroom when nearly idle (work ahead <= the prompt's own; batch <= 2)
         ht = tc.headroom(q, bt) if bt >= 2 else 1.0
         hp = pc.headroom(q, bp) if bp >= 1 else 1.0
-        # NOTE: the idle estimates only ever reject (not even an idle replica would do): the
-        # more optimistic of model and correction, so a stale correction cannot turn requests
-        # away at low load
+        # NOTE: idle estimates only reject: the more optimistic of model and correction, so a
+        # stale correction cannot turn requests away at low load
         return Prediction(et * ht, ep * hp, min(idle_ttft, tc.correct(idle_ttft, 0)),
                           min(idle_tpot, pc.correct(idle_tpot, 0)), full,
                           cached_tokens, ttft, tpot, et, ep, bt, bp)
