@@ -215,11 +215,14 @@ class Predictor:
         return tpot, base
 
     def predict(self, prefill: LoadView, decode: LoadView, num_tokens: int,
-                cached_tokens: int = 0, joining: int = 0) -> Prediction:
+                cached_tokens: int = 0, joining: int = 0, here: bool = False) -> Prediction:
         """Calibrated prediction (the raw models corrected by the Calibrators). joining:
-        admitted requests still prefilling that will join this decode replica's batch."""
+        admitted requests still prefilling that will join this decode replica's batch; here:
+        the decode replica prefills it, so its first token also waits for a decode step."""
         ttft, idle_ttft = self.prefill_ms(prefill, num_tokens, cached_tokens)
         tpot, idle_tpot = self.tpot_ms(decode, joining)
+        if here:
+            ttft, idle_ttft = ttft + tpot, idle_ttft + idle_tpot
         full = decode.num_free_blocks == 0 or decode.kv_usage >= 0.999
         bt = self.ttft_bucket(prefill, num_tokens, cached_tokens)
         bp = self.tpot_bucket(self.decode_batch(decode, joining))

@@ -11,7 +11,7 @@ import time
 import grpc
 
 from common import telemetry
-from gateway.admission import Decision, decide
+from gateway.admission import Decision, LoadView, decide
 from gateway.routing import Route, order_decode, order_prefill
 from gateway.types import GatewayError, GenRequest
 
@@ -38,10 +38,17 @@ class AdmitPath:
         p = order_prefill(self.prefill.replicas, self.predictor, n, cached)[0]
         d = order_decode(self.decode.replicas, self.predictor)[0]
         route.prefill, route.cached = p, cached[p.address]
+        route.here = d if self._prefills_here(p, d) else None
         # admitted requests still prefilling join a decode batch before this one would
         joining = sum(r.load.inflight_requests for r in self.prefill.replicas) // max(
             1, sum(r.healthy for r in self.decode.replicas))
-        pred = self.predictor.predict(p.load, d.load, n, route.cached, joining)
+        if route.here is None:
+            pred = self.predictor.predict(p.load, d.load, n, route.cached, joining)
+        else:
+            # prefilled in the decode replica's own steps: the prompts ahead are the ones sent
+            # there and not yet past their first token (counted on it from the admit decision)
+            ahead = LoadView(inflight_tokens=d.load.inflight_tokens)
+            pred = self.predictor.predict(ahead, d.load, n, 0, joining, here=True)
         ttft, tpot = self._slos(req)
         cfg = self.admission_cfg
         dec = decide(pred, ttft, tpot, waited_ms, cfg.max_queue_ms, self.predictor.early_reject_slack())
@@ -108,8 +115,12 @@ class AdmitPath:
             route.prediction, route.t_decided = d.prediction, time.monotonic()
             route.admitted = True
             self.num_admitted += 1
-            route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)
-            route.prefill.add_inflight(route.inflight)
+            if route.here is not None:
+                route.inflight = len(req.prompt_token_ids)
+                route.here.add_inflight(route.inflight)
+            else:
+                route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)
+                route.prefill.add_inflight(route.inflight)
             return d
 
     def _observe_outcome(self, req: GenRequest, route: Route, ttft_ms: float | None,

@@ -290,3 +290,37 @@ async def test_idle_replicas_admit_a_probe_whatever_an_old_calibration_says():
         assert core._decide(r, 0.0).kind == "reject"
     finally:
         await s.close()
+
+
+async def test_prefill_on_decode_predicts_the_prompts_queued_on_the_decode_replica():
+    """--prefill-on-decode always: the prompts ahead are those sent to the decode replica and
+    not yet past their first token, counted from the admit decision, not the idle prefill
+    replica's queue."""
+    s = await make_stack(admission=AdmissionConfig(prefill_tokens_per_s=1000.0,
+                                                   transfer_ms_per_token=0.0, overhead_ms=0.0))
+    try:
+        core = s.core
+        core.prefill_on_decode = "always"
+        d = core.decode.replicas[0]
+        ids = core.tokenizer.encode("abcdefgh")
+        r = GenRequest(core.new_request_id(), ids, SamplingParams(max_tokens=2))
+        first = core._decide(r, 0.0)
+        assert first.kind == "admit" and first.prediction.ttft_bucket == 0
+        # the first token also waits for one decode step (the prompt rides in it)
+        step = core.predictor.tpot_ms(d.load)[0]
+        assert first.prediction.raw_ttft_ms == pytest.approx(len(ids) + step)
+        from gateway.routing import Route
+        route = Route()
+        await core.admit(r, route)
+        assert route.here is d and d.load.inflight_tokens == len(ids)
+        assert core.prefill.replicas[0].load.inflight_tokens == 0
+        r2 = GenRequest(core.new_request_id(), ids, SamplingParams(max_tokens=2))
+        second = core._decide(r2, 0.0).prediction
+        # + the prompt ahead (1 ms a token), and the step of a batch one larger
+        assert second.raw_ttft_ms == pytest.approx(
+            2 * len(ids) + core.predictor.tpot_ms(d.load)[0])
+        assert second.ttft_bucket == 1
+        route.settle()  # its first token came
+        assert d.load.inflight_tokens == 0 and d.load.inflight_requests == 0
+    finally:
+        await s.close()
