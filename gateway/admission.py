@@ -185,10 +185,8 @@ class Predictor:
         return max(prefill.queued_tokens, prefill.inflight_tokens)
 
     def ttft_bucket(self, prefill: LoadView, num_tokens: int, cached_tokens: int = 0) -> int:
-        """Calibration bucket: prefill work queued ahead relative to the prompt's own
-        (0: none, 1: up to 1x, 2: up to 4x, 3: more)."""
-        ahead = self.tokens_ahead(prefill)
-        own = max(num_tokens - cached_tokens, 1)
+        """Calibration bucket: prefill work queued ahead / the prompt's own: 0, <= 1, <= 4, more."""
+        ahead, own = self.tokens_ahead(prefill), max(num_tokens - cached_tokens, 1)
         return 0 if ahead <= 0 else 1 if ahead <= own else 2 if ahead <= 4 * own else 3
 
     @staticmethod
