@@ -16,6 +16,9 @@ from gateway.routing import Route, order_decode, order_prefill
 from gateway.types import GatewayError, GenRequest
 
 log = logging.getLogger("splitserve.gateway.core")
+# an idle probe is admitted while the raw idle model is at most this many times its SLO: a fit
+# off by that much recovers from the probe's outcome; a tiny SLO is still rejected at once
+PROBE_FACTOR = 4.0
 
 
 class AdmitPath:
@@ -56,12 +59,14 @@ class AdmitPath:
                                                or d.load.running or pred.decode_full)
         if dec.kind != "admit" and idle:
             # NOTE: the replicas are idle, so admitting hurts no one, and only outcomes refresh
-            # the models: a calibration learned under a load that is gone must not turn every
-            # request away for good. Still rejected: what the uncalibrated model says not even
-            # an idle replica can do (a tiny SLO).
+            # the models: a calibration or fit learned under a load or a stall that is gone
+            # (a cold engine's first steps, a host busy with other work) must not turn every
+            # request away for good. Still rejected: an SLO the uncalibrated model misses by
+            # more than PROBE_FACTOR even idle (a tiny SLO).
+            k = PROBE_FACTOR
             idle_t = self.predictor.prefill_ms(p.load, n, route.cached)[1]
             idle_p = self.predictor.tpot_ms(d.load)[1]
-            if (ttft is None or idle_t <= ttft) and (tpot is None or idle_p <= tpot):
+            if (ttft is None or idle_t <= k * ttft) and (tpot is None or idle_p <= k * tpot):
                 return Decision("admit", "idle probe: nothing admitted is running", pred)
         # one more sequence slows every running one: the tightest TPOT SLO there must hold too
         # (waiting helps: running requests finish)

@@ -283,9 +283,13 @@ async def test_idle_replicas_admit_a_probe_whatever_an_old_calibration_says():
         assert core._decide(r, 0.0).reason.startswith("idle probe")
         assert len([c async for c in core.generate(r)]) == 2 and core.num_admitted == 0
         tiny = GenRequest(core.new_request_id(), ids, SamplingParams(max_tokens=2),
-                          ttft_slo_ms=raw_idle / 2)  # beyond even the uncalibrated model
+                          ttft_slo_ms=raw_idle / 5)  # beyond even the uncalibrated model x 4
         with pytest.raises(GatewayError):
             _ = [c async for c in core.generate(tiny)]
+        # a stale fit 3x too slow (a stall is over) still lets an idle probe through
+        stale = GenRequest(core.new_request_id(), ids, SamplingParams(max_tokens=2),
+                           ttft_slo_ms=raw_idle / 3)
+        assert core._decide(stale, 0.0).reason.startswith("idle probe")
         core.prefill.replicas[0].load.queued_tokens = 10  # others' work there: no probe
         assert core._decide(r, 0.0).kind == "reject"
     finally:
