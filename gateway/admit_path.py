@@ -64,8 +64,9 @@ class AdmitPath:
             # request away for good. Still rejected: an SLO the uncalibrated model misses by
             # more than PROBE_FACTOR even idle (a tiny SLO).
             k = PROBE_FACTOR
-            idle_t = self.predictor.prefill_ms(p.load, n, route.cached)[1]
             idle_p = self.predictor.tpot_ms(d.load)[1]
+            idle_t = (self.predictor.prefill_ms(LoadView(), n)[1] + idle_p if route.here else
+                      self.predictor.prefill_ms(p.load, n, route.cached)[1])
             if (ttft is None or idle_t <= k * ttft) and (tpot is None or idle_p <= k * tpot):
                 return Decision("admit", "idle probe: nothing admitted is running", pred)
         # one more sequence slows every running one: the tightest TPOT SLO there must hold too
