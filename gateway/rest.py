@@ -158,26 +158,25 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
                     t.cancel()
 
     async def _collect(agen, pr, rid, model):
-        text, lps, finish, usage, off, timings = "", None, None, None, 0, None
+        text, lps, finish, usage, off = "", None, None, None, 0
         async for c in agen:
             lps = oa.merge_logprobs(pr.kind, lps, oa.logprobs_json(pr.kind, core.tokenizer, c, off))
             text += c.text
             off = len(text)
             if c.finish_reason:
-                finish, usage, timings = c.finish_reason, c.usage, c.timings
-        return JSONResponse(oa.full_response(pr.kind, rid, model, text, finish, lps, usage,
-                                             timings))
+                finish, usage = c.finish_reason, c.usage
+        return JSONResponse(oa.full_response(pr.kind, rid, model, text, finish, lps, usage))
 
     async def _stream(agen, first, pr, rid, model):
         created = int(time.time())
-        off, usage, is_first, timings = 0, None, True, None
+        off, usage, is_first = 0, None, True
         try:
             chunk = first
             while chunk is not None:
                 lp = oa.logprobs_json(pr.kind, core.tokenizer, chunk, off)
                 off += len(chunk.text)
                 if chunk.finish_reason:
-                    usage, timings = chunk.usage, chunk.timings
+                    usage = chunk.usage
                 if chunk.text or chunk.finish_reason or lp or is_first:
                     yield sse(oa.stream_chunk(pr.kind, rid, model, created, chunk.text,
                                               chunk.finish_reason, lp, first=is_first))
@@ -189,8 +188,7 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
             if pr.include_usage and usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if pr.kind == "chat"
                            else "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": oa.usage_json(usage),
-                           **oa.timings_json(timings)})
+                           "choices": [], "usage": oa.usage_json(usage)})
         except GatewayError as e:
             yield sse(error_body(e))
         finally:
