@@ -70,12 +70,17 @@ def fit_rows(doc: dict, cal, cluster, growth: bool = False) -> float:
         fresh = [dataclasses.replace(r) for r in reqs]
         return summarize(simulate(fresh, c, cluster, concurrency=n))["tpot_ms_p50"]
 
-    lo, hi = 0.0, 1.0 if growth else 50.0
-    if tpot(lo) >= want:
-        return 0.0
-    for _ in range(30):  # TPOT grows with the row cost: bisect
+    return solve_increasing(tpot, want, 0.0, 1.0 if growth else 50.0, 30)
+
+
+def solve_increasing(f, want: float, lo: float, hi: float, iters: int) -> float:
+    """x in [lo, hi] with f(x) = want for an f that grows with x (bisection); lo when f(lo)
+    already reaches want."""
+    if f(lo) >= want:
+        return lo
+    for _ in range(iters):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tpot(mid) < want else (lo, mid)
+        lo, hi = (mid, hi) if f(mid) < want else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -143,13 +148,7 @@ def fit_contention(doc: dict, cal, cluster) -> float:
         return summarize(simulate(fresh, dataclasses.replace(cal, contention=x), cluster,
                                   concurrency=n))["ttft_ms_p50"]
 
-    lo, hi = 1.0, 4.0
-    if ttft(lo) >= want:
-        return 1.0
-    for _ in range(25):  # TTFT grows with the stretch: bisect
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ttft(mid) < want else (lo, mid)
-    return (lo + hi) / 2
+    return solve_increasing(ttft, want, 1.0, 4.0, 25)
 
 
 def err(pred: float, meas: float) -> float:

@@ -34,7 +34,7 @@ class Calibration:
     # serving-path cost a row per row of the batch (ms): streaming B tokens a step through
     # processes sharing the engine's cores costs more per token as B grows
     row_growth: float = 0.0
-    contention_decode: bool = True       # False: only steps with prompt work stretch
+    contention_decode: bool = True       # False: only prefill (and colocated) replicas' steps stretch
     padded_attention: bool = False        # decode rows pay for the step's longest context (CPU)
 
     def __post_init__(self):
