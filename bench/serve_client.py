@@ -38,6 +38,19 @@ class Outcome:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     queue_ms: float | None = None  # gRPC: the gateway's own queue time
+    # the gateway's admission estimates (calibrated, before headroom) and its TTFT measured
+    # from the admit decision, which they predict (splitserve timings; None elsewhere)
+    pred_ttft_ms: float | None = None
+    pred_tpot_ms: float | None = None
+    gw_ttft_ms: float | None = None
+
+
+def _timings(o: Outcome, t: dict) -> None:
+    """The gateway's final timings (REST "timings" beside usage, gRPC Timings) -> o."""
+    if t.get("predicted_ttft_ms"):
+        o.pred_ttft_ms, o.pred_tpot_ms = t["predicted_ttft_ms"], t.get("predicted_tpot_ms") or None
+        if t.get("ttft_ms"):
+            o.gw_ttft_ms = t["ttft_ms"] - t.get("admitted_ms", 0.0)
 
 
 @dataclass
@@ -97,7 +110,7 @@ class RestClient:
 
         path, body = self.body(req)
         o = Outcome(req.idx, time.perf_counter())
-        usage = None
+        usage = timings = None
         try:
             async with self.session.post(self.cfg.url.rstrip("/") + path, json=body,
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
@@ -112,6 +125,7 @@ class RestClient:
                     return o
                 async for now, ev in sse_chunks(r):
                     usage = ev.get("usage") or usage
+                    timings = ev.get("timings") or timings
                     n = sse_tokens(ev)
                     if n:
                         o.events.append((now, n))
@@ -123,6 +137,8 @@ class RestClient:
             o.prompt_tokens, o.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
             o.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             add_unseen_tokens(o.events, o.completion_tokens)
+        if isinstance(timings, dict):
+            _timings(o, timings)
         if o.status == "ok" and not o.events:
             o.status, o.error = "error", "no tokens streamed"
         return o
@@ -179,6 +195,10 @@ class GrpcClient:
                 if m.finish_reason:
                     o.prompt_tokens, o.completion_tokens = m.usage.prompt_tokens, m.usage.completion_tokens
                     o.cached_tokens, o.queue_ms = m.usage.cached_tokens, m.timings.queue_ms
+                    t = m.timings
+                    _timings(o, {"predicted_ttft_ms": t.predicted_ttft_ms, "ttft_ms": t.ttft_ms,
+                                 "predicted_tpot_ms": t.predicted_tpot_ms,
+                                 "admitted_ms": t.admitted_ms})
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 md = dict(e.trailing_metadata() or ())

@@ -7,7 +7,10 @@ tokens spreads its gap over them); e2e = the response's end. A request meets its
 finished (status ok) with TTFT <= ttft_ms and TPOT <= tpot_ms (an SLO not set always holds;
 a one-token answer has no TPOT and meets that half). Goodput = requests meeting the SLO per
 second of the run's wall time (first send to last response); throughput counts every finished
-request and output token over the same time.
+request and output token over the same time. Where the gateway reports its admission
+estimates (splitserve timings), each row keeps them (pred_ttft_ms, pred_tpot_ms, and
+gw_ttft_ms, the TTFT they predict: from the admit decision) and the summary their median
+absolute percentage error.
 
 The A/B comparison treats each metric's values as samples: right for the per-request ones
 (TTFT, TPOT, e2e); the gaps of one request are not independent, so ITL's KS p-value is
@@ -98,6 +101,10 @@ def summarize(outs: list[Outcome], wall_s: float, ttft_ms: float | None = None,
     cached = [(o.cached_tokens or 0, o.prompt_tokens) for o in ok if o.prompt_tokens]
     s["prefix_cache_hit_rate"] = (sum(c for c, _ in cached) / sum(p for _, p in cached)
                                   if cached else float("nan"))
+    ape = prediction_errors(ok)
+    for w in ("ttft", "tpot"):
+        s[f"{w}_prediction_ape_median"] = pct(ape[w], 50)
+        s[f"{w}_prediction_ape_p90"] = pct(ape[w], 90)
     qs = [o.queue_ms for o in ok if o.queue_ms is not None]
     s["gateway_queue_ms_p50"] = pct(qs, 50)
     errs: dict[str, int] = {}
@@ -105,6 +112,19 @@ def summarize(outs: list[Outcome], wall_s: float, ttft_ms: float | None = None,
         errs[o.code or "?"] = errs.get(o.code or "?", 0) + 1
     s["errors_by_code"] = errs
     return s
+
+
+def prediction_errors(ok: list[Outcome]) -> dict[str, list[float]]:
+    """Absolute percentage errors of the gateway's per-request estimates: TTFT against the
+    gateway's own TTFT from the admit decision, TPOT against the client's TPOT."""
+    out = {"ttft": [], "tpot": []}
+    for o in ok:
+        if o.pred_ttft_ms and o.gw_ttft_ms and o.gw_ttft_ms > 0:
+            out["ttft"].append(abs(o.pred_ttft_ms - o.gw_ttft_ms) / o.gw_ttft_ms)
+        tpot = per_request(o)["tpot_ms"] if o.pred_tpot_ms else None
+        if tpot:
+            out["tpot"].append(abs(o.pred_tpot_ms - tpot) / tpot)
+    return out
 
 
 def outcome_rows(outs: list[Outcome]) -> list[dict]:
@@ -116,11 +136,15 @@ def outcome_rows(outs: list[Outcome]) -> list[dict]:
         if o.status == "ok":
             pr = per_request(o)
             r.update(ttft_ms=round(pr["ttft_ms"], 3), e2e_ms=round(pr["e2e_ms"], 3),
-                     tokens=pr["tokens"], cached_tokens=o.cached_tokens)
+                     tokens=pr["tokens"], prompt_tokens=o.prompt_tokens,
+                     cached_tokens=o.cached_tokens)
             if pr["tpot_ms"] is not None:
                 r["tpot_ms"] = round(pr["tpot_ms"], 3)
             if o.queue_ms is not None:
                 r["queue_ms"] = round(o.queue_ms, 3)
+            for k in ("pred_ttft_ms", "pred_tpot_ms", "gw_ttft_ms"):
+                if getattr(o, k) is not None:
+                    r[k] = round(getattr(o, k), 3)
         else:
             r.update(code=o.code, error=o.error, retry_after_s=o.retry_after_s,
                      predicted_ms=o.predicted_ms)

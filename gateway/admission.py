@@ -1,21 +1,22 @@
 """Delay-aware admission control: admit, queue until a deadline, or reject early.
 
 Prediction (per candidate replica pair, see `Predictor`):
-    TTFT = (max(queued prefill tokens on the replica, tokens the gateway has in flight there)
-            + this prompt's uncached tokens) / prefill rate + transfer estimate + fixed overhead
-    TPOT = decode step time at the replica's batch size + 1, inflated as KV usage nears full
-The delay models are fitted online (`OnlineLinear`, exponentially weighted least squares from
-a prior): prefill time = a + b * new tokens from PrefillResponse timings, decode step time =
-a + b * batch from the gateway's token gaps; Load RPCs add queue lengths, batch sizes, KV
-usage, measured step times, and a throughput floor for the prefill rate.
+    TTFT = (max(queued prefill tokens there, tokens the gateway has admitted there and not
+            seen finish) + this prompt's uncached tokens) / prefill rate + transfer + overhead
+    TPOT = decode step time at the batch (running + admitted still prefilling + 1), inflated
+           as KV usage nears full
+Fitted online (`OnlineLinear`): prefill ms = a + b * new tokens (PrefillResponse timings),
+decode step ms = a + b * batch (the gateway's token gaps); Load adds the rest.
 
 Calibration: each admitted request's prediction is compared with what it then got (TTFT from
-the admit decision to its first token, TPOT over its whole stream). A `Calibrator` per quantity
-fits observed = a + b * raw prediction the same way and corrects later predictions with it
-(within a factor of 4), so a model off by a factor or by a fixed delay stops being off; it
-also keeps the recent absolute percentage errors (exported as metrics). Decisions use the
-corrected estimate times a headroom: the 75th percentile of recent observed / estimated
-ratios (>= 1), so the admitted requests meet their SLO, not just half of them.
+the admit decision to its first token, TPOT over its stream). A `Calibrator` per quantity
+corrects it per load bucket (TTFT: work queued ahead relative to the prompt's own; TPOT: the
+batch): corrected = offset + factor * raw, the offset (TTFT) learned with nothing queued ahead,
+the factor bounded to [1/2, 2], so the correction can never turn into a constant. Decisions use
+the corrected estimate times a headroom (the 90th percentile of the bucket's recent observed /
+estimated ratios, >= 1) so admitted requests meet their SLO, not just half of them; a nearly
+idle replica gets none: it covers queueing error, and a request that meets its SLO with no
+queue must not be turned away at low load.
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
 at all means "admit whenever there is room"):
@@ -31,7 +32,9 @@ Decode KV full (no free blocks) always queues: no room means no prefill.
 Why TTFT lateness is rejected at once: a backlog drains at the rate the clock runs, so a
 request predicted late now is predicted just as late after any wait (both sides of
 `predicted TTFT <= SLO - waited` shrink together); waiting only helps within the predictor's
-error, which is what the slack (a fraction of the SLO) allows for. TPOT lateness and a full
+error, which is what the slack (a fraction of the SLO) allows for. The slack defaults to 0:
+a late request re-decided on every load change is admitted the moment a noisy prediction dips,
+i.e. on exactly the estimates that are too low, and misses its SLO. TPOT lateness and a full
 decode KV cache do resolve by waiting (requests finish), so those queue.
 """
 from __future__ import annotations
@@ -72,12 +75,12 @@ class AdmissionConfig:
     # a request predicted to miss its TTFT SLO by more than this fraction of the SLO is
     # rejected at once (None: queue it until its deadline instead), once the TTFT predictor
     # has been checked against calibration_min_samples outcomes (until then it queues)
-    early_reject_slack: float | None = 0.25
+    early_reject_slack: float | None = 0.0
     calibrate: bool = True  # online correction of the predictions (see Calibrator)
     # admission decides on the corrected estimate times this quantile of the recent
     # observed / estimated ratios (in [1, 2]; None: the estimate alone), so an estimate that
     # is right on average does not admit the requests it is too low for
-    headroom_quantile: float | None = 0.75
+    headroom_quantile: float | None = 0.9
     calibration_min_samples: int = 16
 
     def __post_init__(self):
@@ -102,6 +105,8 @@ class Prediction:
     raw_tpot_ms: float | None = None
     est_ttft_ms: float | None = None  # the calibrated estimate before headroom (None: same)
     est_tpot_ms: float | None = None
+    ttft_bucket: int = 0  # the Calibrator buckets this prediction falls in
+    tpot_bucket: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,15 +131,22 @@ class Predictor:
         s = cfg.batch_slowdown * cfg.decode_step_ms
         self.step_fit = OnlineLinear(cfg.decode_step_ms - s, s)
         self.transfer_per_token = Ewma(cfg.transfer_ms_per_token)
-        self.ttft_cal = Calibrator()
-        self.tpot_cal = Calibrator()
+        self.ttft_cal = Calibrator(additive=True)
+        # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
+        self.tpot_cal = Calibrator(additive=False)
 
     # ---- observations
     def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
         if num_tokens > 0 and prefill_ms > 0:
-            self.prefill_fit.add(num_tokens, prefill_ms)
+            # NOTE: a cold engine's first prompts take seconds: an unclipped one fixes a slope
+            # (two samples do) that rejects every later request as "too slow even when idle",
+            # and rejected requests bring no samples to undo it. Clipped to 3x the fit, a
+            # genuinely slower replica is still learned within a few prompts.
+            self.prefill_fit.add(num_tokens, min(prefill_ms, 3 * self.prefill_fit(num_tokens) + 10.0))
         if transfer_ms is not None and num_tokens > 0:
-            self.transfer_per_token.update(transfer_ms / num_tokens)
+            t = transfer_ms / num_tokens
+            v = self.transfer_per_token.value
+            self.transfer_per_token.update(min(t, 3 * v + 0.05) if v else t)
 
     def observe_decode_gap(self, gap_ms: float, batch: int) -> None:
         """A token gap measured at the gateway at a (polled) decode batch size."""
@@ -147,46 +159,85 @@ class Predictor:
     def prefill_ms(self, prefill: LoadView, num_tokens: int,
                    cached_tokens: int = 0) -> tuple[float, float]:
         """-> (raw predicted ms until this prompt's first token, same on an idle replica);
-        cached_tokens: prompt tokens the replica's prefix cache is expected to hold."""
+        cached_tokens: prompt tokens the replica's prefix cache is expected to hold.
+        raw = queue wait (prompt tokens ahead on the replica / prefill rate) + own prefill
+        (a + b * new tokens) + KV handoff + fixed overhead."""
+        a, per_token = self._per_token(prefill)
+        new = max(num_tokens - cached_tokens, 1)
+        transfer = self.transfer_per_token.value * num_tokens
+        idle = max(a, 0.0) + new * per_token + transfer + self.cfg.overhead_ms
+        return self.tokens_ahead(prefill) * per_token + idle, idle
+
+    def _per_token(self, prefill: LoadView) -> tuple[float, float]:
         a, per_token = self.prefill_fit.coef()
         if prefill.tokens_per_s:
             # NOTE: a replica's tokens_per_s is recent *throughput* (low when idle), not
             # capacity; it only lowers the cost (a saturated replica proves at least that rate)
             per_token = min(per_token, 1e3 / prefill.tokens_per_s)
-        new = max(num_tokens - cached_tokens, 1)
-        transfer = self.transfer_per_token.value * num_tokens
-        idle = max(a, 0.0) + new * per_token + transfer + self.cfg.overhead_ms
-        # NOTE: a prompt the gateway sent is in inflight_tokens (live) and, once the replica
-        # queued it, in the polled queued_tokens too: the larger of the two, not their sum
-        # (queued_tokens alone can exceed it when other clients feed the replica)
-        ahead = max(prefill.queued_tokens, prefill.inflight_tokens)
-        return ahead * per_token + idle, idle
+        return a, per_token
 
-    def tpot_ms(self, decode: LoadView) -> tuple[float, float]:
-        batch = max(decode.running, decode.inflight_requests) + 1
+    @staticmethod
+    def tokens_ahead(prefill: LoadView) -> int:
+        # NOTE: a prompt the gateway sent is in inflight_tokens (live, counted from the admit
+        # decision: admitted but not started too) and, once the replica queued it, in the
+        # polled queued_tokens as well: the larger of the two, not their sum (queued_tokens
+        # alone can exceed it when other clients feed the replica)
+        return max(prefill.queued_tokens, prefill.inflight_tokens)
+
+    def ttft_bucket(self, prefill: LoadView, num_tokens: int, cached_tokens: int = 0) -> int:
+        """Calibration bucket: prefill work queued ahead / the prompt's own: 0, <= 1, <= 4, more."""
+        ahead, own = self.tokens_ahead(prefill), max(num_tokens - cached_tokens, 1)
+        return 0 if ahead <= 0 else 1 if ahead <= own else 2 if ahead <= 4 * own else 3
+
+    @staticmethod
+    def tpot_bucket(batch: int) -> int:
+        """Calibration bucket by decode batch size (1-2, 3-8, 9-32, more)."""
+        return 0 if batch <= 2 else 1 if batch <= 8 else 2 if batch <= 32 else 3
+
+    def decode_batch(self, decode: LoadView, joining: int = 0) -> int:
+        """The batch this request decodes in: running (or sent there), the requests admitted
+        and still prefilling (`joining`: they reach the batch before this one), and itself."""
+        return max(decode.running, decode.inflight_requests) + max(joining, 0) + 1
+
+    def tpot_ms(self, decode: LoadView, joining: int = 0) -> tuple[float, float]:
+        batch = self.decode_batch(decode, joining)
         base = self.step_fit(1)
         tpot = max(self.step_fit(batch), base)
         if decode.mean_step_ms and decode.running > 0:
-            # measured at the current batch size: one more sequence adds one slowdown step
-            tpot = max(tpot, decode.mean_step_ms * (1 + self.cfg.batch_slowdown))
+            # measured at the current batch size: each sequence more adds one slowdown step
+            extra = batch - decode.running
+            tpot = max(tpot, decode.mean_step_ms * (1 + self.cfg.batch_slowdown * extra))
         # near-full KV means preemption / waiting: inflate steeply above the watermark
         if decode.kv_usage > self.cfg.kv_high_watermark:
             tpot *= 1 + 10 * (decode.kv_usage - self.cfg.kv_high_watermark)
         return tpot, base
 
     def predict(self, prefill: LoadView, decode: LoadView, num_tokens: int,
-                cached_tokens: int = 0) -> Prediction:
-        """Calibrated prediction (the raw models corrected by the Calibrators)."""
+                cached_tokens: int = 0, joining: int = 0, here: bool = False) -> Prediction:
+        """Calibrated prediction (the raw models corrected by the Calibrators). joining:
+        admitted requests still prefilling that will join this decode replica's batch; here:
+        the decode replica prefills it, so its first token also waits for a decode step."""
         ttft, idle_ttft = self.prefill_ms(prefill, num_tokens, cached_tokens)
-        tpot, idle_tpot = self.tpot_ms(decode)
+        tpot, idle_tpot = self.tpot_ms(decode, joining)
+        if here:
+            ttft, idle_ttft = ttft + tpot, idle_ttft + idle_tpot
         full = decode.num_free_blocks == 0 or decode.kv_usage >= 0.999
+        bt = self.ttft_bucket(prefill, num_tokens, cached_tokens)
+        bp = self.tpot_bucket(self.decode_batch(decode, joining))
         if not self.cfg.calibrate:
-            return Prediction(ttft, tpot, idle_ttft, idle_tpot, full, cached_tokens, ttft, tpot)
-        ct, cp = self.ttft_cal.correct, self.tpot_cal.correct
-        et, ep = ct(ttft), cp(tpot)
+            return Prediction(ttft, tpot, idle_ttft, idle_tpot, full, cached_tokens, ttft, tpot,
+                              ttft_bucket=bt, tpot_bucket=bp)
+        tc, pc = self.ttft_cal, self.tpot_cal
+        et, ep = tc.correct(ttft, bt), pc.correct(tpot, bp)
         q = self.cfg.headroom_quantile
-        return Prediction(et * self.ttft_cal.headroom(q), ep * self.tpot_cal.headroom(q),
-                          ct(idle_ttft), cp(idle_tpot), full, cached_tokens, ttft, tpot, et, ep)
+        # NOTE: no headroom when nearly idle (work ahead <= the prompt's own; batch <= 2)
+        ht = tc.headroom(q, bt) if bt >= 2 else 1.0
+        hp = pc.headroom(q, bp) if bp >= 1 else 1.0
+        # NOTE: idle estimates only reject: the more optimistic of model and correction, so a
+        # stale correction cannot turn requests away at low load
+        return Prediction(et * ht, ep * hp, min(idle_ttft, tc.correct(idle_ttft, 0)),
+                          min(idle_tpot, pc.correct(idle_tpot, 0)), full,
+                          cached_tokens, ttft, tpot, et, ep, bt, bp)
 
     def early_reject_slack(self) -> float | None:
         """The slack decide() may reject early with: none before the TTFT predictor is
@@ -203,11 +254,11 @@ class Predictor:
         if ttft_ms is not None:
             est = pred.est_ttft_ms if pred.est_ttft_ms is not None else pred.ttft_ms
             raw = pred.raw_ttft_ms if pred.raw_ttft_ms is not None else est
-            et = self.ttft_cal.observe(raw, est, ttft_ms)
+            et = self.ttft_cal.observe(raw, est, ttft_ms, pred.ttft_bucket)
         if tpot_ms is not None:
             est = pred.est_tpot_ms if pred.est_tpot_ms is not None else pred.tpot_ms
             raw = pred.raw_tpot_ms if pred.raw_tpot_ms is not None else est
-            ep = self.tpot_cal.observe(raw, est, tpot_ms)
+            ep = self.tpot_cal.observe(raw, est, tpot_ms, pred.tpot_bucket)
         return et, ep
 
 

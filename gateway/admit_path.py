@@ -11,11 +11,14 @@ import time
 import grpc
 
 from common import telemetry
-from gateway.admission import Decision, decide
+from gateway.admission import Decision, LoadView, decide
 from gateway.routing import Route, order_decode, order_prefill
 from gateway.types import GatewayError, GenRequest
 
 log = logging.getLogger("splitserve.gateway.core")
+# an idle probe is admitted while the raw idle model is at most this many times its SLO: a fit
+# off by that much recovers from the probe's outcome; a tiny SLO is still rejected at once
+PROBE_FACTOR = 4.0
 
 
 class AdmitPath:
@@ -38,7 +41,17 @@ class AdmitPath:
         p = order_prefill(self.prefill.replicas, self.predictor, n, cached)[0]
         d = order_decode(self.decode.replicas, self.predictor)[0]
         route.prefill, route.cached = p, cached[p.address]
-        pred = self.predictor.predict(p.load, d.load, n, route.cached)
+        route.here = d if self._prefills_here(p, d) else None
+        # admitted requests still prefilling join a decode batch before this one would
+        joining = sum(r.load.inflight_requests for r in self.prefill.replicas) // max(
+            1, sum(r.healthy for r in self.decode.replicas))
+        if route.here is None:
+            pred = self.predictor.predict(p.load, d.load, n, route.cached, joining)
+        else:
+            # prefilled in the decode replica's own steps: the prompts ahead are the ones sent
+            # there and not yet past their first token (counted on it from the admit decision)
+            ahead = LoadView(inflight_tokens=d.load.inflight_tokens)
+            pred = self.predictor.predict(ahead, d.load, n, 0, joining, here=True)
         ttft, tpot = self._slos(req)
         cfg = self.admission_cfg
         dec = decide(pred, ttft, tpot, waited_ms, cfg.max_queue_ms, self.predictor.early_reject_slack())
@@ -46,12 +59,15 @@ class AdmitPath:
                                                or d.load.running or pred.decode_full)
         if dec.kind != "admit" and idle:
             # NOTE: the replicas are idle, so admitting hurts no one, and only outcomes refresh
-            # the models: a calibration learned under a load that is gone must not turn every
-            # request away for good. Still rejected: what the uncalibrated model says not even
-            # an idle replica can do (a tiny SLO).
-            idle_t = self.predictor.prefill_ms(p.load, n, route.cached)[1]
+            # the models: a calibration or fit learned under a load or a stall that is gone
+            # (a cold engine's first steps, a host busy with other work) must not turn every
+            # request away for good. Still rejected: an SLO the uncalibrated model misses by
+            # more than PROBE_FACTOR even idle (a tiny SLO).
+            k = PROBE_FACTOR
             idle_p = self.predictor.tpot_ms(d.load)[1]
-            if (ttft is None or idle_t <= ttft) and (tpot is None or idle_p <= tpot):
+            idle_t = (self.predictor.prefill_ms(LoadView(), n)[1] + idle_p if route.here else
+                      self.predictor.prefill_ms(p.load, n, route.cached)[1])
+            if (ttft is None or idle_t <= k * ttft) and (tpot is None or idle_p <= k * tpot):
                 return Decision("admit", "idle probe: nothing admitted is running", pred)
         # one more sequence slows every running one: the tightest TPOT SLO there must hold too
         # (waiting helps: running requests finish)
@@ -105,8 +121,12 @@ class AdmitPath:
             route.prediction, route.t_decided = d.prediction, time.monotonic()
             route.admitted = True
             self.num_admitted += 1
-            route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)
-            route.prefill.add_inflight(route.inflight)
+            if route.here is not None:
+                route.inflight = len(req.prompt_token_ids)
+                route.here.add_inflight(route.inflight)
+            else:
+                route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)
+                route.prefill.add_inflight(route.inflight)
             return d
 
     def _observe_outcome(self, req: GenRequest, route: Route, ttft_ms: float | None,

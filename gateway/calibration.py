@@ -1,6 +1,6 @@
 """Online fits behind admission's delay predictions: an EWMA, an exponentially weighted
 least-squares line with a prior, and the calibration that corrects a raw prediction by what
-requests then observed (its error is what the gateway's metrics report)."""
+requests then observed, per load bucket (its error is what the gateway's metrics report)."""
 from __future__ import annotations
 
 import math
@@ -56,48 +56,95 @@ class OnlineLinear:
 
 
 class Calibrator:
-    """Online correction of one predicted delay: observed ~ a + b * raw prediction
-    (OnlineLinear from the identity: while the raw predictions barely vary, an offset), the
-    corrected value
-    kept within [raw / max_factor, raw * max_factor]; `errors` holds the recent absolute
-    percentage errors |corrected - observed| / observed of the predictions actually used."""
+    """Online correction of one predicted delay, per load bucket:
+        corrected = offset + factor[bucket] * raw
+    `offset` (additive=True only) is the fixed cost the model misses (RPCs, handoff
+    bookkeeping), learned from bucket-0 samples (nothing queued ahead), where the raw model is
+    the measured compute alone; factor[b] (fixed at 1 in bucket 0 when additive) is a
+    log-space EWMA of (observed - offset) / raw in that bucket, clamped to
+    [1 / max_factor, max_factor]. The slope on the raw prediction therefore never drops below
+    1 / max_factor: the correction cannot collapse into a constant that ignores the model.
+    Both start neutral (offset 0, factor 1) and move by `alpha` per outcome: the first
+    outcomes after a start come while the underlying fits still learn (and a cold engine is
+    slow), so none of them may set the correction alone.
+    A bucket with fewer than `min_samples` outcomes uses the pooled factor of all buckets.
+    `errors` holds the recent absolute percentage errors |corrected - observed| / observed of
+    the predictions actually used; `ratios` the observed / corrected ratios per bucket."""
 
-    def __init__(self, window: int = 256, max_factor: float = 4.0):
-        self.max_factor = max_factor
-        self.fit: OnlineLinear | None = None
+    def __init__(self, buckets: int = 4, additive: bool = True, max_factor: float = 2.0,
+                 alpha: float = 0.15, max_offset_ms: float = 2000.0, min_samples: int = 4,
+                 window: int = 256):
+        self.buckets, self.additive = buckets, additive
+        self.max_factor, self.alpha = max_factor, alpha
+        self.max_offset_ms, self.min_samples = max_offset_ms, min_samples
+        self.offset = 0.0
+        self._log_f = [0.0] * buckets
+        self._n = [0] * buckets
+        self._pooled = 0.0  # log factor over all non-fixed buckets
+        self._pooled_n = 0
+        self.last_bucket = 0
         self.samples = 0
         self.errors: deque[float] = deque(maxlen=window)
-        self.ratios: deque[float] = deque(maxlen=64)  # observed / estimate, recent
+        self.ratios = [deque(maxlen=64) for _ in range(buckets)]
 
-    def headroom(self, q: float | None, cap: float = 2.0) -> float:
-        """Quantile q of the recent observed / estimated ratios, within [1, cap] (1 with
-        fewer than 8 samples or q None)."""
-        if q is None or len(self.ratios) < 8:
+    def _bucket(self, b: int) -> int:
+        return min(max(int(b), 0), self.buckets - 1)
+
+    def factor(self, bucket: int = 0) -> float:
+        b = self._bucket(bucket)
+        if self.additive and b == 0:
             return 1.0
-        xs = sorted(self.ratios)
+        if self._n[b] >= self.min_samples:
+            return math.exp(self._log_f[b])
+        return math.exp(self._pooled) if self._pooled_n else 1.0
+
+    def correct(self, raw_ms: float, bucket: int = 0) -> float:
+        v = self.offset + self.factor(bucket) * raw_ms
+        return min(max(v, raw_ms / self.max_factor), raw_ms * self.max_factor + max(self.offset, 0.0))
+
+    def headroom(self, q: float | None, bucket: int = 0, cap: float = 2.0) -> float:
+        """Quantile q of the recent observed / corrected ratios of this bucket (all buckets'
+        while it has fewer than 8), within [1, cap]; 1 with fewer than 8 samples or q None."""
+        if q is None:
+            return 1.0
+        xs = self.ratios[self._bucket(bucket)]
+        if len(xs) < 8:
+            xs = [r for d in self.ratios for r in d]
+        if len(xs) < 8:
+            return 1.0
+        xs = sorted(xs)
         return min(max(xs[min(int(q * len(xs)), len(xs) - 1)], 1.0), cap)
 
-    def correct(self, raw_ms: float) -> float:
-        if self.fit is None:
-            return raw_ms
-        return min(max(self.fit(raw_ms), raw_ms / self.max_factor), raw_ms * self.max_factor)
-
-    def observe(self, raw_ms: float, used_ms: float, observed_ms: float) -> float | None:
+    def observe(self, raw_ms: float, used_ms: float, observed_ms: float,
+                bucket: int = 0) -> float | None:
         """-> this sample's absolute percentage error (None for a sample that cannot count)."""
         if not (raw_ms > 0 and used_ms > 0 and observed_ms > 0) or math.isinf(observed_ms):
             return None
-        if self.fit is None:
-            self.fit = OnlineLinear(0.0, 1.0, decay=0.9)  # ~10 samples: load shifts fast
-        self.fit.add(raw_ms, observed_ms)
+        b = self._bucket(bucket)
+        lo, hi = 1.0 / self.max_factor, self.max_factor
+        if self.additive and b == 0:
+            # NOTE: a residual is clipped to within 2 x raw (+10 ms) of the offset now, so one
+            # stalled request moves the offset by at most alpha times that
+            r = observed_ms - raw_ms
+            r = min(max(r, self.offset - raw_ms, -raw_ms / 2), self.offset + 2 * raw_ms + 10.0)
+            self.offset += self.alpha * (r - self.offset)
+            self.offset = min(max(self.offset, -self.max_offset_ms), self.max_offset_ms)
+        else:
+            x = math.log(min(max((observed_ms - self.offset) / raw_ms, lo), hi))
+            self._log_f[b] += self.alpha * (x - self._log_f[b])
+            self._pooled += self.alpha * (x - self._pooled)
+            self._pooled_n += 1
+        self._n[b] += 1
+        self.last_bucket = b
         self.samples += 1
         err = abs(used_ms - observed_ms) / observed_ms
         self.errors.append(err)
-        self.ratios.append(observed_ms / used_ms)
+        self.ratios[b].append(observed_ms / used_ms)
         return err
 
     def coef(self) -> tuple[float, float]:
-        """(offset ms, scale) of the correction now."""
-        return self.fit.coef() if self.fit is not None else (0.0, 1.0)
+        """(offset ms, factor of the bucket last observed) of the correction now."""
+        return self.offset, self.factor(self.last_bucket)
 
     def mape(self) -> float | None:
         """Median absolute percentage error over the window (a fraction; None before data)."""

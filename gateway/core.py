@@ -35,7 +35,7 @@ from gateway.admission_queue import AdmissionQueue
 from gateway.admit_path import AdmitPath
 from gateway.downstream import Downstream
 from gateway.routing import PrefixIndex, Replica, ReplicaPool, Route, order_decode
-from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid
+from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid, prediction_timings
 
 log = logging.getLogger("splitserve.gateway.core")
 _END = object()  # end of a request's chunk queue
@@ -93,6 +93,14 @@ class GatewayCore(AdmitPath, Downstream):
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise invalid(f"token id {bad} is out of range [0, {self.vocab_size})", param="prompt")
+
+    def _prefills_here(self, p: Replica, d: Replica) -> bool:
+        """Whether decode replica d prefills a prompt admission routed to prefill replica p
+        (--prefill-on-decode always; auto: both on one GPU)."""
+        mode = self.prefill_on_decode
+        return d.healthy and (mode == "always" or (
+            mode == "auto" and d.load.device_id.startswith("cuda:")
+            and d.load.device_id == p.load.device_id))
 
     def _decode_here(self, route: Route) -> Replica | None:
         """The decode replica that prefills this request itself, or None (split). --prefill-on-
@@ -169,6 +177,7 @@ class GatewayCore(AdmitPath, Downstream):
             q.put_nowait(GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             route.release_decode()
+            route.settle()
             if route.admitted:
                 self.num_admitted -= 1
             q.put_nowait(_END)
@@ -185,12 +194,16 @@ class GatewayCore(AdmitPath, Downstream):
         t_admitted = time.monotonic()
         self.metrics.queue_time.observe(t_admitted - req.arrival)
         dec = self._decode_here(route)  # prefill on the decode replica itself (or None: split)
+        if dec is not route.here:
+            route.settle()  # admission's guess of where it prefills no longer holds
+            route.here = None
         ticket = pre = None
         try:
             if dec is None:
                 dec, ticket, pre = await self._prefill(req, route)
         finally:
-            route.settle()
+            if route.here is None:
+                route.settle()  # prefilled here: settled at its first token
         route.hold_decode(dec, self._slos(req)[1])
         if pre is not None and route.alone:
             pt = pre.timings
@@ -207,6 +220,7 @@ class GatewayCore(AdmitPath, Downstream):
         def first_token_out() -> None:
             nonlocal t_first, ttft_ms
             t_first = time.monotonic()
+            route.settle()
             ttft_ms = (t_first - req.arrival) * 1e3
             self._observe_outcome(req, route, (t_first - route.t_decided) * 1e3, None)
             self.metrics.ttft.observe(ttft_ms / 1e3)
@@ -216,6 +230,8 @@ class GatewayCore(AdmitPath, Downstream):
                            + (pt.queue_ms if pt else 0.0),
                            prefill_ms=pt.prefill_ms if pt else ttft_ms - (t_admitted - req.arrival) * 1e3,
                            transfer_ms=pt.transfer_ms if pt else 0.0)
+            if route.prediction is not None:
+                timings.update(prediction_timings(route.prediction, route.t_decided - req.arrival))
 
         def finish_chunk(ids, text, lps, reason, stop_reason="") -> GenChunk:
             now = time.monotonic()

@@ -184,7 +184,7 @@ class Downstream:
             finally:
                 if held:
                     p.done_inflight(held)
-                elif p is route.prefill:
+                elif p is route.prefill and route.here is None:
                     route.settle()
                 self.queue.notify()
         if not tried:

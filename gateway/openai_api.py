@@ -202,6 +202,12 @@ def usage_json(u: dict | None) -> dict | None:
             "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
 
 
+def timings_json(t: dict | None) -> dict:
+    """The gateway's extension beside `usage`: {"timings": {ttft_ms, queue_ms, ...,
+    predicted_ttft_ms, predicted_tpot_ms, admitted_ms}} (empty without timings)."""
+    return {"timings": {k: round(float(v), 3) for k, v in t.items()}} if t else {}
+
+
 def _tok(tokenizer, i: int) -> str:
     return tokenizer.decode([i], skip_special_tokens=False) if tokenizer is not None else str(i)
 
@@ -252,7 +258,7 @@ def stream_chunk(kind: str, rid: str, model: str, created: int, text: str, finis
 
 
 def full_response(kind: str, rid: str, model: str, text: str, finish: str | None,
-                  logprobs: dict | None, usage: dict | None) -> dict:
+                  logprobs: dict | None, usage: dict | None, timings: dict | None = None) -> dict:
     created = int(time.time())
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -262,4 +268,4 @@ def full_response(kind: str, rid: str, model: str, text: str, finish: str | None
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage_json(usage)}
+            "usage": usage_json(usage), **timings_json(timings)}

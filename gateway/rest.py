@@ -158,25 +158,26 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
                     t.cancel()
 
     async def _collect(agen, pr, rid, model):
-        text, lps, finish, usage, off = "", None, None, None, 0
+        text, lps, finish, usage, off, timings = "", None, None, None, 0, None
         async for c in agen:
             lps = oa.merge_logprobs(pr.kind, lps, oa.logprobs_json(pr.kind, core.tokenizer, c, off))
             text += c.text
             off = len(text)
             if c.finish_reason:
-                finish, usage = c.finish_reason, c.usage
-        return JSONResponse(oa.full_response(pr.kind, rid, model, text, finish, lps, usage))
+                finish, usage, timings = c.finish_reason, c.usage, c.timings
+        return JSONResponse(oa.full_response(pr.kind, rid, model, text, finish, lps, usage,
+                                             timings))
 
     async def _stream(agen, first, pr, rid, model):
         created = int(time.time())
-        off, usage, is_first = 0, None, True
+        off, usage, is_first, timings = 0, None, True, None
         try:
             chunk = first
             while chunk is not None:
                 lp = oa.logprobs_json(pr.kind, core.tokenizer, chunk, off)
                 off += len(chunk.text)
                 if chunk.finish_reason:
-                    usage = chunk.usage
+                    usage, timings = chunk.usage, chunk.timings
                 if chunk.text or chunk.finish_reason or lp or is_first:
                     yield sse(oa.stream_chunk(pr.kind, rid, model, created, chunk.text,
                                               chunk.finish_reason, lp, first=is_first))
@@ -188,7 +189,8 @@ def build_app(core: GatewayCore, *, default_max_tokens: int | None = None,
             if pr.include_usage and usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if pr.kind == "chat"
                            else "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": oa.usage_json(usage)})
+                           "choices": [], "usage": oa.usage_json(usage),
+                           **oa.timings_json(timings)})
         except GatewayError as e:
             yield sse(error_body(e))
         finally:

@@ -85,10 +85,14 @@ class Route:
     tpot_slo: float | None = None
     admitted: bool = False
     alone: bool = False  # its Prefill went to a replica with nothing else of ours in flight
+    # --prefill-on-decode: the decode replica admission predicted it prefills there; its
+    # in-flight tokens are counted there (until the first token) instead of on `prefill`
+    here: Replica | None = None
 
     def settle(self) -> None:
-        if self.prefill is not None and self.inflight:
-            self.prefill.done_inflight(self.inflight)
+        r = self.here if self.here is not None else self.prefill
+        if r is not None and self.inflight:
+            r.done_inflight(self.inflight)
             self.inflight = 0
 
     def hold_decode(self, decode: Replica, tpot_slo: float | None) -> None:

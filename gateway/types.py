@@ -65,4 +65,12 @@ class GenChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str = ""
     usage: dict | None = None  # prompt_tokens, completion_tokens, cached_tokens
-    timings: dict | None = None  # ttft_ms, queue_ms, prefill_ms, transfer_ms, total_ms
+    timings: dict | None = None  # ttft_ms, queue_ms, prefill_ms, transfer_ms, total_ms (+ prediction_timings)
+
+
+def prediction_timings(pred, admitted_s: float) -> dict:
+    """Admission's calibrated estimates (before headroom) for a request's timings: compare
+    predicted_ttft_ms with ttft_ms - admitted_ms (both from the admit decision)."""
+    t = pred.est_ttft_ms if pred.est_ttft_ms is not None else pred.ttft_ms
+    p = pred.est_tpot_ms if pred.est_tpot_ms is not None else pred.tpot_ms
+    return {"predicted_ttft_ms": t, "predicted_tpot_ms": p, "admitted_ms": admitted_s * 1e3}

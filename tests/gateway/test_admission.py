@@ -110,3 +110,17 @@ async def test_queue_times_out_into_reject():
 
     d = await asyncio.wait_for(q.run(fn, 0, poll_s=0.01), 2)
     assert d.kind == "reject" and len(q) == 0
+
+
+def test_a_cold_engine_first_prefill_cannot_fix_the_slope():
+    """Two samples fix a line: a cold engine's multi-second first prompt must not become a
+    slope that rejects every later request (which would then bring no samples to undo it)."""
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0,
+                                  overhead_ms=0.0))
+    p.observe_prefill(200, prefill_ms=8000.0)  # cold
+    p.observe_prefill(100, prefill_ms=100.0)
+    assert p.prefill_ms(LoadView(), 300)[1] < 2000.0
+    for _ in range(6):  # a replica genuinely 5x slower than the prior is still learned
+        for n in (100, 300):
+            p.observe_prefill(n, prefill_ms=5.0 * n)
+    assert p.prefill_ms(LoadView(), 200)[1] == pytest.approx(1000.0, rel=0.15)
