@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 from gateway.calibration import Calibrator, Ewma, OnlineLinear
 
+SLOW_RUN = 3  # consecutive prefill samples above 3x the fit before the fit follows them
+
 
 @dataclass
 class LoadView:
@@ -131,6 +133,7 @@ class Predictor:
         s = cfg.batch_slowdown * cfg.decode_step_ms
         self.step_fit = OnlineLinear(cfg.decode_step_ms - s, s)
         self.transfer_per_token = Ewma(cfg.transfer_ms_per_token)
+        self._slow_run = 0  # prefill samples in a row above 3x the fit
         self.ttft_cal = Calibrator(additive=True)
         # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
         self.tpot_cal = Calibrator(additive=False)
@@ -138,11 +141,15 @@ class Predictor:
     # ---- observations
     def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
         if num_tokens > 0 and prefill_ms > 0:
-            # NOTE: a cold engine's first prompts take seconds: an unclipped one fixes a slope
-            # (two samples do) that rejects every later request as "too slow even when idle",
-            # and rejected requests bring no samples to undo it. Clipped to 3x the fit, a
-            # genuinely slower replica is still learned within a few prompts.
-            self.prefill_fit.add(num_tokens, min(prefill_ms, 3 * self.prefill_fit(num_tokens) + 10.0))
+            # NOTE: a cold engine's first prompts (graph capture, kernel JIT) take seconds: let
+            # them in and the fit's idle estimate rejects every later request, which then brings
+            # no sample to undo it. A sample above 3x the fit counts only as the
+            # SLOW_RUN-th in a row (a replica that really got slower), and then clipped to 3x:
+            # a lone stall moves nothing, a lasting change is learned within a few prompts.
+            cap = 3 * self.prefill_fit(num_tokens) + 10.0
+            self._slow_run = self._slow_run + 1 if prefill_ms > cap else 0
+            if 0 == self._slow_run or self._slow_run >= SLOW_RUN:
+                self.prefill_fit.add(num_tokens, min(prefill_ms, cap))
         if transfer_ms is not None and num_tokens > 0:
             t = transfer_ms / num_tokens
             v = self.transfer_per_token.value

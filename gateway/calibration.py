@@ -123,10 +123,11 @@ class Calibrator:
         b = self._bucket(bucket)
         lo, hi = 1.0 / self.max_factor, self.max_factor
         if self.additive and b == 0:
-            # NOTE: a residual is clipped to within 2 x raw (+10 ms) of the offset now, so one
-            # stalled request moves the offset by at most alpha times that
-            r = observed_ms - raw_ms
-            r = min(max(r, self.offset - raw_ms, -raw_ms / 2), self.offset + 2 * raw_ms + 10.0)
+            # NOTE: a residual is clipped to [-raw / 2, max(offset, 0) + 2 x raw + 10 ms]: one
+            # stalled request moves the offset by a bounded step, yet neither bound follows the
+            # offset, or an offset pushed far off (by a cold, over-predicting fit) would come
+            # back only ~raw per sample
+            r = min(max(observed_ms - raw_ms, -raw_ms / 2), max(self.offset, 0.0) + 2 * raw_ms + 10.0)
             self.offset += self.alpha * (r - self.offset)
             self.offset = min(max(self.offset, -self.max_offset_ms), self.max_offset_ms)
         else:

@@ -328,3 +328,27 @@ async def test_prefill_on_decode_predicts_the_prompts_queued_on_the_decode_repli
         assert d.load.inflight_tokens == 0 and d.load.inflight_requests == 0
     finally:
         await s.close()
+
+
+def test_a_cold_engines_first_prefills_do_not_set_the_fit():
+    # two cold prefills (seconds: graph capture, JIT) among warm ones of ~0.02 ms a token
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=50_000))
+    for ms in (4000.0, 3500.0, 11.0, 10.0, 9000.0, 12.0, 10.5, 11.0, 10.0, 11.5):
+        p.observe_prefill(512, ms)
+    assert p.prefill_fit(512) < 20.0
+    _, idle = p.prefill_ms(LoadView(), 512)
+    assert idle < 25.0  # an idle replica's estimate stays near the warm prefills
+    # a replica that really got slower (every prompt 3x+ the fit) is followed within a few
+    for _ in range(12):
+        p.observe_prefill(512, 200.0)
+    assert p.prefill_fit(512) > 60.0
+
+
+def test_an_offset_pushed_down_by_an_over_predicting_model_comes_back():
+    c = Calibrator(additive=True)
+    for _ in range(40):  # a cold fit predicts seconds, requests take 30 ms
+        c.observe(2000.0, 2000.0, 30.0, 0)
+    assert c.offset < -500.0
+    for _ in range(40):  # the fit is warm again: raw 20 ms, observed 30 ms
+        c.observe(20.0, c.correct(20.0, 0), 30.0, 0)
+    assert abs(c.correct(20.0, 0) - 30.0) < 3.0
