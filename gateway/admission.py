@@ -5,8 +5,8 @@ Prediction (per candidate replica pair, see `Predictor`):
             seen finish) + this prompt's uncached tokens) / prefill rate + transfer + overhead
     TPOT = decode step time at the batch (running + admitted still prefilling + 1), inflated
            as KV usage nears full
-Fitted online (`OnlineLinear`): prefill ms = a + b * new tokens (PrefillResponse timings),
-decode step ms = a + b * batch (the gateway's token gaps); Load adds the rest.
+Fitted online: prefill ms = a + b * new tokens (PrefillResponse timings; `RobustLinear`),
+decode step ms = a + b * batch (the gateway's token gaps; `OnlineLinear`); Load adds the rest.
 
 Calibration: each admitted request's prediction is compared with what it then got (TTFT from
 the admit decision to its first token, TPOT over its stream). A `Calibrator` per quantity
@@ -41,9 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.calibration import Calibrator, Ewma, OnlineLinear
+from gateway.calibration import Calibrator, Ewma, OnlineLinear, RobustLinear
 
-SLOW_RUN = 3  # consecutive prefill samples above 3x the fit before the fit follows them
+YOUNG_FIT = 8  # prefill samples before the fit alone predicts (see observe_prefill)
 
 
 @dataclass
@@ -129,11 +129,10 @@ class Predictor:
     def __init__(self, cfg: AdmissionConfig):
         self.cfg = cfg
         per_token = 1e3 / cfg.prefill_tokens_per_s
-        self.prefill_fit = OnlineLinear(0.0, per_token)
+        self.prefill_fit = RobustLinear(0.0, per_token)
         s = cfg.batch_slowdown * cfg.decode_step_ms
         self.step_fit = OnlineLinear(cfg.decode_step_ms - s, s)
         self.transfer_per_token = Ewma(cfg.transfer_ms_per_token)
-        self._slow_run = 0  # prefill samples in a row above 3x the fit
         self.ttft_cal = Calibrator(additive=True)
         # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
         self.tpot_cal = Calibrator(additive=False)
@@ -141,15 +140,10 @@ class Predictor:
     # ---- observations
     def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
         if num_tokens > 0 and prefill_ms > 0:
-            # NOTE: a cold engine's first prompts (graph capture, kernel JIT) take seconds: let
-            # them in and the fit's idle estimate rejects every later request, which then brings
-            # no sample to undo it. A sample above 3x the fit counts only as the
-            # SLOW_RUN-th in a row (a replica that really got slower), and then clipped to 3x:
-            # a lone stall moves nothing, a lasting change is learned within a few prompts.
-            cap = 3 * self.prefill_fit(num_tokens) + 10.0
-            self._slow_run = self._slow_run + 1 if prefill_ms > cap else 0
-            if 0 == self._slow_run or self._slow_run >= SLOW_RUN:
-                self.prefill_fit.add(num_tokens, min(prefill_ms, cap))
+            # NOTE: a cold engine's first prompts (graph capture, kernel JIT) take seconds: the
+            # robust fit outvotes them once warm samples outnumber them, and until it has
+            # YOUNG_FIT samples no prediction is slower than the fastest sample's rate
+            self.prefill_fit.add(num_tokens, prefill_ms)
         if transfer_ms is not None and num_tokens > 0:
             t = transfer_ms / num_tokens
             v = self.transfer_per_token.value
@@ -171,8 +165,12 @@ class Predictor:
         (a + b * new tokens) + KV handoff + fixed overhead."""
         a, per_token = self._per_token(prefill)
         new = max(num_tokens - cached_tokens, 1)
+        own = max(a, 0.0) + new * per_token
+        r = self.prefill_fit.min_ratio() if self.prefill_fit.samples < YOUNG_FIT else None
+        if r is not None:  # a young fit may hold only a cold engine's seconds: bound it
+            own, per_token = min(own, new * r), min(per_token, r)
         transfer = self.transfer_per_token.value * num_tokens
-        idle = max(a, 0.0) + new * per_token + transfer + self.cfg.overhead_ms
+        idle = own + transfer + self.cfg.overhead_ms
         return self.tokens_ahead(prefill) * per_token + idle, idle
 
     def _per_token(self, prefill: LoadView) -> tuple[float, float]:

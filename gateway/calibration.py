@@ -55,6 +55,55 @@ class OnlineLinear:
         return a + b * x
 
 
+class RobustLinear:
+    """y = a + b*x by Theil-Sen over the last `window` samples: b the median of the pairwise
+    slopes of samples whose x differ by more than 10% of the mean x (else the median of y / x,
+    a = 0), a the median of y - b*x; the prior line until the first sample. A minority of
+    outliers (a cold engine's first calls: seconds instead of milliseconds) moves neither
+    median, where one of them fixes a least-squares line; the fit follows a lasting change
+    once it holds half the window."""
+
+    def __init__(self, a: float, b: float, window: int = 48):
+        self.prior = (a, b)
+        self.xy: deque[tuple[float, float]] = deque(maxlen=window)
+        self.samples = 0
+        self._coef = self.prior
+
+    def add(self, x: float, y: float) -> None:
+        self.xy.append((float(x), float(y)))
+        self.samples += 1
+        self._coef = self._fit()
+
+    def _fit(self) -> tuple[float, float]:
+        pts = list(self.xy)
+        mx = sum(x for x, _ in pts) / len(pts)
+        gap = 0.1 * mx
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pts)
+                  for x2, y2 in pts[i + 1:] if abs(x2 - x1) > gap]
+        if not slopes:
+            return 0.0, max(_median([y / x for x, y in pts if x > 0] or [self.prior[1]]), 0.0)
+        b = max(_median(slopes), 0.0)  # delays never shrink as their driver grows
+        return _median([y - b * x for x, y in pts]), b
+
+    def coef(self) -> tuple[float, float]:
+        return self._coef
+
+    def min_ratio(self) -> float | None:
+        """The smallest y / x in the window (None without samples)."""
+        rs = [y / x for x, y in self.xy if x > 0]
+        return min(rs) if rs else None
+
+    def __call__(self, x: float) -> float:
+        a, b = self._coef
+        return a + b * x
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
 class Calibrator:
     """Online correction of one predicted delay, per load bucket:
         corrected = offset + factor[bucket] * raw
