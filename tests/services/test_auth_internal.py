@@ -82,7 +82,7 @@ async def test_every_internal_rpc_needs_the_secret(services):
                 "Decode.Load": d.Load(common_pb2.LoadRequest()),
                 "Prefill": p.Prefill(prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=[3])),
                 "Prefill.Load": p.Load(common_pb2.LoadRequest()),
-                "PushKV": kv.PushKV(iter([kvtransfer_pb2.KVChunk(transfer_id="t", commit=True)])),
+                "PushKV": kv.PushKV(iter(()), timeout=10),  # no message: see PairSession
                 "PoolHandoff": kv.PoolHandoff(kvtransfer_pb2.PoolHandoffRequest(transfer_id="t")),
             }
             codes = {k: await _code(c) for k, c in calls.items()}
