@@ -4,6 +4,7 @@ requests then observed, per load bucket (its error is what the gateway's metrics
 from __future__ import annotations
 
 import math
+from statistics import median
 from collections import deque
 
 
@@ -81,9 +82,9 @@ class RobustLinear:
         slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pts)
                   for x2, y2 in pts[i + 1:] if abs(x2 - x1) > gap]
         if not slopes:
-            return 0.0, max(_median([y / x for x, y in pts if x > 0] or [self.prior[1]]), 0.0)
-        b = max(_median(slopes), 0.0)  # delays never shrink as their driver grows
-        return _median([y - b * x for x, y in pts]), b
+            return 0.0, max(median([y / x for x, y in pts if x > 0] or [self.prior[1]]), 0.0)
+        b = max(median(slopes), 0.0)  # delays never shrink as their driver grows
+        return median([y - b * x for x, y in pts]), b
 
     def coef(self) -> tuple[float, float]:
         return self._coef
@@ -97,11 +98,6 @@ class RobustLinear:
         a, b = self._coef
         return a + b * x
 
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 class Calibrator:
