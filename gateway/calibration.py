@@ -99,7 +99,6 @@ class RobustLinear:
         return a + b * x
 
 
-
 class Calibrator:
     """Online correction of one predicted delay, per load bucket:
         corrected = offset + factor[bucket] * raw
