@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.calibration import Calibrator, Ewma, OnlineLinear, RobustLinear
+from gateway.calibration import Calibrator, OnlineLinear, RobustLinear
 
 YOUNG_FIT = 8  # prefill samples before the fit alone predicts (see observe_prefill)
 
@@ -132,22 +132,23 @@ class Predictor:
         self.prefill_fit = RobustLinear(0.0, per_token)
         s = cfg.batch_slowdown * cfg.decode_step_ms
         self.step_fit = OnlineLinear(cfg.decode_step_ms - s, s)
-        self.transfer_per_token = Ewma(cfg.transfer_ms_per_token)
+        # KV handoff ms = a + b * new tokens: the blocks a cached prefix spares the prefill
+        # mostly spare the handoff too, and its fixed cost (an RPC, a map) is no per-token rate
+        self.transfer_fit = RobustLinear(0.0, cfg.transfer_ms_per_token)
         self.ttft_cal = Calibrator(additive=True)
         # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
         self.tpot_cal = Calibrator(additive=False)
 
     # ---- observations
     def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
+        """num_tokens: the prompt's new (uncached) tokens; the replica's prefill and KV handoff ms."""
         if num_tokens > 0 and prefill_ms > 0:
             # NOTE: a cold engine's first prompts (graph capture, kernel JIT) take seconds: the
             # robust fit outvotes them once warm samples outnumber them, and until it has
             # YOUNG_FIT samples no prediction is slower than the fastest sample's rate
             self.prefill_fit.add(num_tokens, prefill_ms)
-        if transfer_ms is not None and num_tokens > 0:
-            t = transfer_ms / num_tokens
-            v = self.transfer_per_token.value
-            self.transfer_per_token.update(min(t, 3 * v + 0.05) if v else t)
+        if transfer_ms is not None and transfer_ms >= 0 and num_tokens > 0:
+            self.transfer_fit.add(num_tokens, transfer_ms)
 
     def observe_decode_gap(self, gap_ms: float, batch: int) -> None:
         """A token gap measured at the gateway at a (polled) decode batch size."""
@@ -169,7 +170,7 @@ class Predictor:
         r = self.prefill_fit.min_ratio() if self.prefill_fit.samples < YOUNG_FIT else None
         if r is not None:  # a young fit may hold only a cold engine's seconds: bound it
             own, per_token = min(own, new * r), min(per_token, r)
-        transfer = self.transfer_per_token.value * num_tokens
+        transfer = max(self.transfer_fit(new), 0.0)
         idle = own + transfer + self.cfg.overhead_ms
         return self.tokens_ahead(prefill) * per_token + idle, idle
 

@@ -1,26 +1,11 @@
-"""Online fits behind admission's delay predictions: an EWMA, an exponentially weighted
-least-squares line with a prior, and the calibration that corrects a raw prediction by what
+"""Online fits behind admission's delay predictions: an exponentially weighted least-squares
+line with a prior, a Theil-Sen line, and the calibration that corrects a raw prediction by what
 requests then observed, per load bucket (its error is what the gateway's metrics report)."""
 from __future__ import annotations
 
 import math
 from statistics import median
 from collections import deque
-
-
-class Ewma:
-    def __init__(self, initial: float | None, alpha: float = 0.3):
-        self.value = initial
-        self.alpha = alpha
-        self.samples = 0
-
-    def update(self, x: float) -> float:
-        if x is None or x != x or x <= 0:  # ignore NaN / non-positive measurements
-            return self.value
-        self.value = x if self.value is None or self.samples == 0 else \
-            self.alpha * x + (1 - self.alpha) * self.value
-        self.samples += 1
-        return self.value
 
 
 class OnlineLinear:

@@ -124,3 +124,16 @@ def test_a_cold_engine_first_prefill_cannot_fix_the_slope():
         for n in (100, 300):
             p.observe_prefill(n, prefill_ms=5.0 * n)
     assert p.prefill_ms(LoadView(), 200)[1] == pytest.approx(1000.0, rel=0.15)
+
+
+def test_handoff_cost_is_fitted_in_the_tokens_it_moves():
+    """A prompt mostly in the prefix cache moves few tokens' KV: its handoff's fixed cost (a few
+    ms) is no per-token rate to multiply by a long prompt's full length."""
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=1e5, overhead_ms=0.0))
+    for i in range(30):
+        new = 6 + (i % 5) * 4  # cached prompts: 6-22 new tokens, handoff ~3 ms
+        p.observe_prefill(new, prefill_ms=5.0, transfer_ms=3.0 + 0.001 * new)
+    raw, idle = p.prefill_ms(LoadView(), 736, cached_tokens=720)
+    assert idle < 12.0
+    raw, idle = p.prefill_ms(LoadView(), 736)  # uncached: the fit's own slope, not 3 ms / 6 tokens
+    assert idle < 20.0
