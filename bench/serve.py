@@ -32,6 +32,7 @@ import sys
 
 from bench.pd_clients import scrape_metrics
 from bench.serve_client import ClientConfig, make_client, run_closed, run_open
+from bench.serve_peak import measure_peak
 from bench.serve_stats import compare, outcome_rows, samples, summarize
 from bench.serve_trace import PRESETS, TraceSpec, arrival_times, build_trace, describe, trace_digest
 
@@ -58,7 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--duration", type=float, default=None,
                    help="open loop: rate x duration requests per load point")
     g.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
+    g.add_argument("--peak", choices=("closed", "slo"), default="closed",
+                   help="rates auto: the peak is closed-loop throughput, or the highest rate "
+                   "meeting the SLO for --peak-attainment of requests (bench/serve_peak.py)")
     g.add_argument("--peak-concurrency", type=int, default=16, help="rates auto: closed loop size")
+    g.add_argument("--peak-duration", type=float, default=8.0, help="--peak slo: s per probe")
+    g.add_argument("--peak-attainment", type=float, default=0.9)
     t = p.add_argument_group("trace")
     t.add_argument("--input-len", default=None, help="fixed:N | uniform:LO,HI | lognormal:MEDIAN,SIGMA")
     t.add_argument("--output-len", default=None)
@@ -190,18 +196,6 @@ async def run_sides(sides, traces, times, point, a) -> list[tuple[list, float, d
     return acc
 
 
-async def measure_peak(cfg, reqs, a) -> float:
-    client = make_client(cfg)
-    try:
-        outs, wall = await run_closed(client, reqs, a.peak_concurrency, "peak")
-    finally:
-        await client.close()
-    s = summarize(outs, wall)
-    if not s["completed"]:
-        raise SystemExit(f"peak run: no request completed ({s['errors_by_code']})")
-    return s["throughput_rps"]
-
-
 def vocab_size(a) -> int:
     if a.vocab:
         return a.vocab
@@ -253,17 +247,18 @@ async def main_async(a) -> dict:
             c = make_client(dataclasses.replace(cfg, send_slo=False))
             await run_closed(c, warm, 1, f"{label} warmup")
             await c.close()
-    peak = None
+    peak = peak_info = None
     if points[0][0] == "factor":
-        n = a.num_requests or 4 * a.peak_concurrency
-        peak = await measure_peak(base, build_trace(dataclasses.replace(spec, num_requests=n), vocab), a)
+        peak, peak_info = await measure_peak(base, spec, vocab, a)
         points = [("rate", f * peak) for _, f in points]
     runs, abs_ = [], []
-    for point in points:
+    for k, point in enumerate(points):
         n = per_point or max(1, round(point[1] * a.duration))
-        reqs = build_trace(dataclasses.replace(spec, num_requests=n), vocab)
+        # NOTE: fresh token content per point (and side, on one URL): a point must not be
+        # served from the prefix cache the previous one warmed; the shape stays the seed's
+        reqs = build_trace(dataclasses.replace(spec, num_requests=n), vocab, 2 * k)
         times = arrival_times(n, point[1], a.arrival, a.burstiness, a.seed) if point[0] == "rate" else None
-        traces = [reqs] + ([build_trace(dataclasses.replace(spec, num_requests=n), vocab, 1)
+        traces = [reqs] + ([build_trace(dataclasses.replace(spec, num_requests=n), vocab, 2 * k + 1)
                             if fresh else reqs] if b else [])
         got = await run_sides(sides, traces, times, point, a)
         side_samples = []
@@ -282,7 +277,7 @@ async def main_async(a) -> dict:
                          "compare": compare(*side_samples, seed=a.seed), "mode": a.ab_mode})
     cfg = {k: v for k, v in vars(a).items() if k != "api_key"}
     cfg.update(trace=describe(build_trace(dataclasses.replace(spec, num_requests=per_point or 8), vocab)),
-               peak_rps=peak, vocab=vocab)
+               peak_rps=peak, peak=peak_info, vocab=vocab)
     return report(a, cfg, runs, abs_)
 
 

@@ -1,8 +1,9 @@
 """Issue 24's device run, one model per call: the serving benchmark (bench.serve) against
 `splitserve up` on one GPU, in phases:
 
-  split      rate sweep (x the measured peak) with the SLO sent (admission) and, on the identical
-             trace, without (A/B, back to back), then a mixed short/long trace at MIXED_FACTOR x
+  split      rate sweep (x the peak: the highest rate meeting the SLO for 90% of requests, found
+             by bench.serve --peak slo, or --peak-rps) with the SLO sent (admission) and, on
+             the identical trace, without (A/B, back to back), then a mixed short/long trace at MIXED_FACTOR x
              peak with --prefill-on-decode never (always split)
   auto       the same mixed trace with --prefill-on-decode auto (conditional disaggregation)
   colocated  the sweep's absolute rates with the SLO sent, one engine doing both
@@ -119,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--factors", default="0.25,0.5,1,2,3")
     p.add_argument("--duration", type=float, default=10.0, help="s of arrivals per load point")
     p.add_argument("--peak-concurrency", type=int, default=64)
+    p.add_argument("--peak-rps", type=float, default=None,
+                   help="the peak of an earlier run (skips the search; phases auto, colocated alone)")
+    p.add_argument("--peak-duration", type=float, default=8.0, help="s per peak-search probe")
     p.add_argument("--mixed-input", default="lognormal:256,1.2")
     p.add_argument("--mixed-factor", type=float, default=0.7)
     p.add_argument("--phases", default="split,auto,colocated")
@@ -133,18 +137,25 @@ def main(argv=None) -> int:
         return 0
     tag = a.model.split(":")[-1].replace(".", "")
     phases, rs, rates, mixed_rate = a.phases.split(","), [], None, None
+    if a.peak_rps:
+        rates = [float(f) * a.peak_rps for f in a.factors.split(",")]
+        mixed_rate = a.mixed_factor * a.peak_rps
     mixed = ["--input-len", a.mixed_input, "--output-len", "fixed:64"]
     if "split" in phases:
         srv = up(a, a.up_arg)
         try:
+            load = (["--rates", ",".join(f"{r:.3f}" for r in rates)] if rates else
+                    ["--rates", "auto:" + a.factors, "--peak", "slo",
+                     "--peak-duration", str(a.peak_duration)])
             doc = bench(srv.url, a, f"serve-{tag}-split", [
-                "--preset", a.preset, "--rates", "auto:" + a.factors, "--duration", str(a.duration),
+                "--preset", a.preset, *load, "--duration", str(a.duration),
                 "--ab", "send_slo=false", "--ab-mode", "sequential", "--labels", "admission,none"])
             rs += rows(doc, "split")
-            peak = doc["config"]["peak_rps"]
-            rates = [float(f) * peak for f in a.factors.split(",")]
-            mixed_rate = a.mixed_factor * peak
-            say(f"peak {peak:.2f} req/s")
+            if not rates:
+                peak = doc["config"]["peak_rps"]
+                rates = [float(f) * peak for f in a.factors.split(",")]
+                mixed_rate = a.mixed_factor * peak
+                say(f"peak {peak:.2f} req/s ({doc['config']['peak']})")
             if left(a) > 60:
                 rs += rows(bench(srv.url, a, f"serve-{tag}-mixed-never", [
                     *mixed, "--rate", f"{mixed_rate:.3f}", "--duration", str(2 * a.duration)]), "never")

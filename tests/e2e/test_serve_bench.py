@@ -63,6 +63,24 @@ def test_bench_cli_open_loop_writes_json_and_plots(up, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_slo_peak_search_then_fresh_prompts_at_the_point(up, tmp_path, monkeypatch):
+    """--rates auto with --peak slo: open-loop probes (SLO measured, not sent) find the highest
+    rate meeting it; the load point after them is not served from the probes' prefix cache."""
+    rest, _ = up
+    monkeypatch.setenv("SPLITSERVE_BENCH_DIR", str(tmp_path))
+    serve.main(["--url", rest, "--rates", "auto:1", "--peak", "slo", "--peak-duration", "1.5",
+                "--peak-concurrency", "2", "--num-requests", "6", "--ttft-ms", "4000",
+                "--tpot-ms", "2000", "--no-plots", *SMALL])
+    doc = _result(tmp_path)
+    info = doc["config"]["peak"]
+    assert info["method"] == "slo" and info["closed_rps"] > 0 and info["probes"]
+    passing = [p["rate"] for p in info["probes"] if p["attainment"] >= 0.9]
+    assert doc["config"]["peak_rps"] == max(passing)
+    (run,) = doc["results"]["runs"]
+    assert run["rate"] == pytest.approx(doc["config"]["peak_rps"])
+    assert run["summary"]["prefix_cache_hit_rate"] < 0.5
+
+
 def test_ab_interleaved_ks_and_p99_interval(up, tmp_path, monkeypatch):
     rest, grpc_addr = up
     monkeypatch.setenv("SPLITSERVE_BENCH_DIR", str(tmp_path))
