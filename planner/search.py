@@ -25,6 +25,15 @@ def _fresh(reqs: list[SimRequest]) -> list[SimRequest]:
     return [SimRequest(r.idx, r.arrival_ms, r.input_len, r.output_len) for r in reqs]
 
 
+STALE_GROWS = 3
+
+
+def _miss(f: dict, ttft_ms: float, tpot_ms: float) -> float:
+    """How far a shape is from the SLOs: the larger quantile / SLO ratio, and rejections."""
+    tpot = f["tpot_ms_q"] / tpot_ms if f["tpot_ms_q"] == f["tpot_ms_q"] else 0.0
+    return max(f["ttft_ms_q"] / ttft_ms, tpot) + f["rejected"]
+
+
 def search(reqs: list[SimRequest], cal: Calibration, base: Cluster, ttft_ms: float, tpot_ms: float,
            quantile: float, start: tuple[int, int], max_replicas: int = 256) -> tuple[SimPoint, list[SimPoint]]:
     """-> (the smallest shape found meeting both SLOs at `quantile`, every shape simulated).
@@ -43,8 +52,18 @@ def search(reqs: list[SimRequest], cal: Calibration, base: Cluster, ttft_ms: flo
         return seen[(p, d)]
 
     p, d = (0, max(1, start[1])) if colo else (max(1, start[0]), max(1, start[1]))
+    best_miss, stale = float("inf"), 0
     while not (pt := run(p, d)).meets:
         f = pt.figures
+        # NOTE: replicas sharing a fixed number of devices (Cluster.devices) under contention
+        # can stop helping: give up once STALE_GROWS more replicas did not cut the miss
+        miss = _miss(f, ttft_ms, tpot_ms)
+        stale = 0 if miss < 0.98 * best_miss else stale + 1
+        best_miss = min(best_miss, miss)
+        if stale >= STALE_GROWS:
+            where = f" on {base.devices} device(s)" if base.devices else ""
+            raise ValueError(f"no shape meets the SLOs in simulation{where}: {STALE_GROWS} more "
+                             f"replicas from {pt.shape} did not bring the quantiles closer")
         slow_ttft = f["rejected"] > 0 or f["ttft_ms_q"] > ttft_ms
         if colo:
             d += 1

@@ -125,7 +125,8 @@ class Simulator:
         self.pre = [Replica(i, True, colo, device=i if n is None else i % n)
                     for i in range(cluster.prefill or cluster.decode)]
         self.dec = self.pre if colo else [
-            Replica(i, False, True, device=cluster.prefill + i if n is None else i % n)
+            # shared devices: replicas dealt round-robin, prefill first, then decode
+            Replica(i, False, True, device=cluster.prefill + i if n is None else (cluster.prefill + i) % n)
             for i in range(cluster.decode)]
         self.active: dict[int, list[Replica]] = {}  # device -> replicas mid-step
         self.synced: dict[int, float] = {}          # device -> when its work was last charged

@@ -56,6 +56,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="engine token budget a step")
     p.add_argument("--handoff-fixed-ms", type=float, default=0.0, help="per-request KV handoff cost "
                    "besides bytes / rate")
+    p.add_argument("--devices", type=int, default=None,
+                   help="the replicas share this many devices (default: a device per replica)")
+    p.add_argument("--contention", type=float, default=1.0,
+                   help="step stretch while two replicas of one device are mid-step (1: none, "
+                   "2: strict time-slicing; k replicas: 1 + (x - 1)(k - 1)); lab.plan_gpu fits it")
+    p.add_argument("--contention-prefill-only", action="store_true",
+                   help="only prefill (and colocated) replicas' steps stretch")
     p.add_argument("--admission", action="store_true",
                    help="simulate the gateway rejecting requests predicted past the TTFT SLO")
     p.add_argument("--sim-requests", type=int, default=2000, help="simulated trace length")
@@ -102,7 +109,8 @@ def calibration_from_args(a: argparse.Namespace):
         raise ValueError("--step-overhead-ms and --row-overhead-ms must be >= 0")
     cal = calibrate(pre, dec, kv_bytes_per_token(a.model_shape), gbps, source, a.ttft_overhead_ms)
     d0, d1, d2 = cal.decode
-    return replace(cal, decode=(d0 + a.step_overhead_ms, d1 + a.row_overhead_ms, d2)), kv_src
+    return replace(cal, decode=(d0 + a.step_overhead_ms, d1 + a.row_overhead_ms, d2),
+                   contention=a.contention, contention_decode=not a.contention_prefill_only), kv_src
 
 
 def _fmt(x: float) -> str:
@@ -147,14 +155,14 @@ def simulated(a: argparse.Namespace, w, cal, first):
     reqs = trace_requests(a.sim_requests, w.rate, lognormal_spec(w.input_len, w.input_cv),
                           lognormal_spec(w.output_len, w.output_cv), a.seed)
     base = Cluster(0 if a.topology == "colocated" else 1, 1, a.max_batched_tokens, a.max_batch,
-                   handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission)
+                   handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission, devices=a.devices)
     start = (first.prefill.replicas, first.decode.replicas)
     if a.topology == "colocated":
         start = (0, max(1, max(start) - 1))
     return search(reqs, cal, base, w.ttft_ms, w.tpot_ms, w.quantile, start)
 
 
-def render_sim(best, seen, w) -> str:
+def render_sim(best, seen, w, devices: int | None = None) -> str:
     q = f"p{w.quantile * 100:g}"
     out = ["", f"simulated ({best.figures['requests']} requests):",
            f"shape           TTFT p50 ms  TTFT {q} ms  TPOT p50 ms  TPOT {q} ms  goodput r/s  meets"]
@@ -165,7 +173,8 @@ def render_sim(best, seen, w) -> str:
                    f"{'yes' if s.meets else 'no'}")
     f = best.figures
     gpus = best.prefill + best.decode
-    out.append(f"recommended (simulated): {best.shape} ({gpus} replicas): {q} TTFT {f['ttft_ms_q']:.1f} ms, "
+    where = f"{gpus} replicas" if devices is None else f"{gpus} replicas on {devices} device(s)"
+    out.append(f"recommended (simulated): {best.shape} ({where}): {q} TTFT {f['ttft_ms_q']:.1f} ms, "
                f"{q} TPOT {f['tpot_ms_q']:.2f} ms, goodput {f['goodput_rps']:.2f} req/s")
     return "\n".join(out)
 
@@ -177,6 +186,10 @@ def run(a: argparse.Namespace) -> int:
         w = Workload(a.rate, a.input_len, a.output_len, a.input_cv, a.output_cv, a.ttft_ms,
                      a.tpot_ms, a.quantile)
         cal, kv_src = calibration_from_args(a)
+        if a.devices is not None and a.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {a.devices}")
+        if a.devices is not None and a.no_sim:
+            raise ValueError("--devices needs the simulation (the queueing model gives each replica a device)")
         result = plan(w, cal, max_batch=a.max_batch)
         sim = None if a.no_sim else simulated(a, w, cal, result)
     except (ValueError, OSError) as e:
@@ -185,7 +198,10 @@ def run(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"shape": result.shape, "workload": asdict(w),
                           "calibration": {"source": cal.source, "prefill": cal.prefill, "decode": cal.decode,
-                                          "kv_bytes_per_token": cal.kv_bytes_per_token, "kv_gbps": cal.kv_gbps},
+                                          "kv_bytes_per_token": cal.kv_bytes_per_token, "kv_gbps": cal.kv_gbps,
+                                          "contention": cal.contention,
+                                          "contention_decode": cal.contention_decode},
+                          "devices": a.devices,
                           "prefill": asdict(result.prefill), "decode": asdict(result.decode),
                           "prefill_table": [asdict(p) for p in result.prefill_table],
                           "decode_table": [asdict(d) for d in result.decode_table],
@@ -193,5 +209,5 @@ def run(a: argparse.Namespace) -> int:
                           {"shape": sim[0].shape, "best": asdict(sim[0]), "tried": [asdict(s) for s in sim[1]]}},
                          default=str))
     else:
-        print(render(result, w, cal, kv_src) + ("" if sim is None else render_sim(*sim, w)))
+        print(render(result, w, cal, kv_src) + ("" if sim is None else render_sim(*sim, w, a.devices)))
     return 0

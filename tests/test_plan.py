@@ -171,3 +171,25 @@ def test_cli_bad_input_exits_2_naming_it(capsys):
     assert "decode calibration needs >= 2" in capsys.readouterr().err
     assert main(["plan", "--rate", "-1", "--ttft-ms", "1", "--tpot-ms", "1", *ARGS[-6:]]) == 2
     assert "rate must be > 0" in capsys.readouterr().err
+
+
+def test_cli_devices_and_contention(capsys):
+    """Replicas sharing devices under contention are slower than replicas with a device each;
+    a load no number of replicas on one time-sliced device meets is said, not searched forever;
+    bad values exit 2 naming the flag."""
+    assert main([*ARGS, "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)["simulated"]["best"]
+    assert main([*ARGS, "--json", "--devices", "2", "--contention", "1.5"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["devices"] == 2 and d["calibration"]["contention"] == 1.5
+    shared = d["simulated"]["best"]
+    assert (shared["prefill"] + shared["decode"] > own["prefill"] + own["decode"]
+            or shared["figures"]["ttft_ms_q"] > own["figures"]["ttft_ms_q"])
+    assert main([*ARGS, "--devices", "3"]) == 0  # no contention: as good as a device each
+    assert "2P1D (3 replicas on 3 device(s))" in capsys.readouterr().out
+    assert main([*ARGS, "--devices", "1", "--contention", "2"]) == 2
+    assert "did not bring the quantiles closer" in capsys.readouterr().err
+    assert main([*ARGS, "--contention", "0.5"]) == 2
+    assert "contention must be >= 1" in capsys.readouterr().err
+    assert main([*ARGS, "--devices", "0"]) == 2
+    assert "--devices must be >= 1" in capsys.readouterr().err
