@@ -9,10 +9,10 @@ keys under one additive mask that keeps, for query head h, the keys of kv head h
 positions < seq_len. The GQA grouping costs Hkv x the score FLOPs (small at decode) and saves
 the repeat_interleave / transpose copies: both batched matmuls read contiguous operands.
 
-Prompt rows: a prompt chunk with no cached context (its whole context is this step's K/V, and
-the cache holds them in their own dtype) attends over the k / v it was given, without reading
-the cache back; a chunk after cached tokens
-gathers its context like the reference. Both through SDPA with grouped-query heads.
+Prompt rows: prompt chunks with no cached context (the whole context is this step's K/V, and
+the cache holds them in their own dtype) attend over the k / v they were given, without reading
+the cache back, prompts of similar length batched into one padded causal SDPA call; a chunk
+after cached tokens gathers its context like the reference (SDPA with grouped-query heads).
 
 The per-step plan (gather slots, mask, row split) is built once and reused by every layer
 (AttentionMetadata.cpu_plan).
@@ -70,6 +70,44 @@ def build_plan(meta, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
                             mask.view(len(dec), num_heads, lp * num_kv_heads), lp, prompts)
 
 
+# a batch of fresh prompts is padded to its longest: padding at most this share of the real rows
+PAD_SLACK = 0.3
+
+
+def fresh_groups(rows: list[tuple[int, int, int, int]]) -> list[list[tuple[int, int, int, int]]]:
+    """Fresh prompt rows (no cached context) -> groups attended in one padded call: by length,
+    each grown while its padded size stays within (1 + PAD_SLACK) x its real rows."""
+    groups: list[list] = []
+    total = 0
+    for r in sorted(rows, key=lambda r: r[1] - r[0]):
+        n = r[1] - r[0]
+        if groups and (len(groups[-1]) + 1) * n <= (1 + PAD_SLACK) * (total + n):
+            groups[-1].append(r)
+            total += n
+        else:
+            groups.append([r])
+            total = n
+    return groups
+
+
+def _fresh_prompts(q, k, v, out, rows, scale: float, cdt) -> None:
+    """Causal attention of prompts whose whole context is this step's K/V, one SDPA call for
+    the group: right-padded to the longest, so a real query row's causal window holds real keys
+    only; the padded rows' outputs are dropped. K/V heads are repeated to the query heads: SDPA's
+    fused CPU kernel takes no GQA (enable_gqa runs the unfused math, ~3x slower here)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    pad = torch.nn.utils.rnn.pad_sequence
+    qb = pad([q[qs:qe] for qs, qe, _, _ in rows], batch_first=True).to(cdt).transpose(1, 2)
+    kb = pad([k[qs:qe] for qs, qe, _, _ in rows], batch_first=True).to(cdt).transpose(1, 2)
+    vb = pad([v[qs:qe] for qs, qe, _, _ in rows], batch_first=True).to(cdt).transpose(1, 2)
+    if hq != hkv:
+        kb, vb = kb.repeat_interleave(hq // hkv, 1), vb.repeat_interleave(hq // hkv, 1)
+    o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)  # [B, Hq, L, D]
+    o = o.transpose(1, 2).to(q.dtype)
+    for b, (qs, qe, _, _) in enumerate(rows):
+        out[qs:qe] = o[b, :qe - qs]
+
+
 def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         meta, scale: float, plan: CpuAttentionPlan) -> torch.Tensor:
     """q [T, Hq, D], k / v [T, Hkv, D] (this step's, already in the cache) -> [T, Hq, D]."""
@@ -93,24 +131,23 @@ def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
             out.copy_(o)
         else:
             out.index_copy_(0, plan.decode_rows, o)
+    fresh_ok = k.dtype == kv_cache.dtype  # (as stored: no rounding skipped)
+    fresh = [r for r in plan.prompt_rows if fresh_ok and r[2] == r[1] - r[0]]
+    for group in fresh_groups(fresh):
+        _fresh_prompts(q, k, v, out, group, scale, cdt)
     for qs, qe, ctx, i in plan.prompt_rows:
+        if fresh_ok and ctx == qe - qs:
+            continue
+        from engine.layers.attention import gather_kv_torch
+
         ql = qe - qs
         qi = q[qs:qe].to(cdt).transpose(0, 1)  # [Hq, ql, D]
-        fresh = ctx == ql and k.dtype == kv_cache.dtype  # (as stored: no rounding skipped)
-        if fresh:  # no cached context: this step's K/V are the whole context
-            ki, vi = k[qs:qe], v[qs:qe]
-        else:
-            from engine.layers.attention import gather_kv_torch
-
-            ki, vi = gather_kv_torch(kv_cache, meta.block_tables[i], ctx, cdt)
+        ki, vi = gather_kv_torch(kv_cache, meta.block_tables[i], ctx, cdt)
         ki = ki.to(cdt).transpose(0, 1)  # [Hkv, ctx, D]
         vi = vi.to(cdt).transpose(0, 1)
-        if fresh:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # query row j sits at position ctx - ql + j; it sees keys 0 .. ctx - ql + j
-            pos_q = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        # query row j sits at position ctx - ql + j; it sees keys 0 .. ctx - ql + j
+        pos_q = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[qs:qe] = o.transpose(0, 1).to(q.dtype)
     return out

@@ -81,3 +81,27 @@ def test_plan_built_once_per_step(monkeypatch):
     for layer in range(3):
         be.forward(layer, q, k, v, cache.clone(), meta)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4)])
+def test_fresh_prompts_batched_by_length_match_the_reference(hq, hkv):
+    """Several fresh prompts in one step (grouped and right-padded into shared SDPA calls) next
+    to decode rows and a chunk after cached tokens."""
+    from engine.layers.attention_cpu import fresh_groups
+
+    bs, seqs, nxt = 16, [], 1
+    for start, n in [(0, 7), (0, 8), (0, 9), (20, 1), (0, 33), (0, 40), (0, 2), (16, 5), (0, 120)]:
+        blocks = _blocks(start + n, bs, nxt)
+        nxt += len(blocks)
+        seqs.append((blocks, start, n))
+    q, k, v, cache, meta = _case(seqs, hq, hkv, 64, bs, nxt + 2, seed=5)
+    be = TorchAttentionBackend(hq, hkv, 64)
+    ref_cache = cache.clone()
+    write_kv_torch(k, v, ref_cache, meta.slot_mapping)
+    ref = paged_attention_torch(q, ref_cache, meta, be.scale)
+    torch.testing.assert_close(be.forward(0, q, k, v, cache, meta), ref, rtol=1e-5, atol=1e-5)
+    groups = fresh_groups([(0, n, n, i) for i, n in enumerate([7, 8, 9, 33, 40, 2, 120])])
+    assert sorted(r[1] for g in groups for r in g) == [2, 7, 8, 9, 33, 40, 120]
+    assert any(len(g) >= 3 for g in groups)  # 7, 8, 9 share a call
+    for g in groups:  # padding bounded by the slack
+        assert len(g) * max(r[1] for r in g) <= 1.3 * sum(r[1] for r in g) + 1e-9
