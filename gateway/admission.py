@@ -39,6 +39,7 @@ decode KV cache do resolve by waiting (requests finish), so those queue.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gateway.calibration import Calibrator, OnlineLinear, RobustLinear
@@ -152,10 +153,12 @@ class Predictor:
 
     def observe_decode_gap(self, gap_ms: float, batch: int) -> None:
         """A token gap measured at the gateway at a (polled) decode batch size."""
-        if gap_ms > 0:
+        if gap_ms > 0 and math.isfinite(gap_ms):
             # NOTE: one gap can hold a stall (a KV import, a new request joining): clip it so
-            # a rare outlier moves the fit by a bounded amount
-            self.step_fit.add(batch, min(gap_ms, 2 * self.step_fit(batch)))
+            # a rare outlier moves the fit by a bounded amount (never below 0: a clip that
+            # follows a fit gone low fed it ever lower samples until it overflowed to NaN)
+            cap = 2 * self.step_fit(batch)
+            self.step_fit.add(batch, min(gap_ms, cap) if cap > 0 else gap_ms)
 
     # ---- predictions
     def prefill_ms(self, prefill: LoadView, num_tokens: int,

@@ -34,6 +34,9 @@ class OnlineLinear:
         cxx, cxy = max(sxx - s0 * mx * mx, 0.0), sxy - s0 * mx * my
         b = (cxy + lam * self.prior[1]) / (cxx + lam) if cxx + lam > 0 else self.prior[1]
         b = max(b, 0.0)  # delays never shrink as their driver grows
+        if my - b * mx < 0:  # nor does a delay have a negative fixed cost: fit through 0
+            b = sxy / sxx if sxx > 0 else self.prior[1]
+            return 0.0, max(b, 0.0)
         return my - b * mx, b
 
     def __call__(self, x: float) -> float:

@@ -137,3 +137,21 @@ def test_handoff_cost_is_fitted_in_the_tokens_it_moves():
     assert idle < 12.0
     raw, idle = p.prefill_ms(LoadView(), 736)  # uncached: the fit's own slope, not 3 ms / 6 tokens
     assert idle < 20.0
+
+
+def test_decode_step_fit_stays_finite_under_coalesced_gaps():
+    """Coalesced token chunks give gaps of microseconds beside real steps of tens of ms at
+    varied batch sizes: the step fit and every TPOT prediction stay finite and >= 0 (the clip
+    once followed a fit gone negative down until the sums overflowed and TPOT read NaN)."""
+    import math
+    import random
+
+    p = Predictor(AdmissionConfig())
+    rnd = random.Random(0)
+    for _ in range(30000):
+        b = rnd.choice([1, 2, 5, 64, 128, 256, 300])
+        p.observe_decode_gap(rnd.choice([1e-9, 1e-3, 0.01, 5.0, 25.0, 40.0, 400.0]), b)
+        t, base = p.tpot_ms(LoadView(running=b))
+        assert math.isfinite(t) and t >= 0 and math.isfinite(base) and base >= 0
+    a, b = p.step_fit.coef()
+    assert a >= 0 and b >= 0
