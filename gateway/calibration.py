@@ -87,11 +87,16 @@ class RobustLinear:
         return a + b * x
 
 
+OFFSET_WINDOW = 48  # bucket-0 residuals the additive offset is the median of
+MEDIAN_AFTER = 8     # before that many, an EWMA (no single early outcome sets it alone)
+
+
 class Calibrator:
     """Online correction of one predicted delay, per load bucket:
         corrected = offset + factor[bucket] * raw
     `offset` (additive=True only) is the fixed cost the model misses (RPCs, handoff
-    bookkeeping), learned from bucket-0 samples (nothing queued ahead), where the raw model is
+    bookkeeping), learned from bucket-0 samples (nothing queued ahead: the median of the last
+    OFFSET_WINDOW residuals), where the raw model is
     the measured compute alone; factor[b] (fixed at 1 in bucket 0 when additive) is a
     log-space EWMA of (observed - offset) / raw in that bucket, clamped to
     [1 / max_factor, max_factor]. The slope on the raw prediction therefore never drops below
@@ -110,6 +115,7 @@ class Calibrator:
         self.max_factor, self.alpha = max_factor, alpha
         self.max_offset_ms, self.min_samples = max_offset_ms, min_samples
         self.offset = 0.0
+        self._resid: deque[float] = deque(maxlen=OFFSET_WINDOW)
         self._log_f = [0.0] * buckets
         self._n = [0] * buckets
         self._pooled = 0.0  # log factor over all non-fixed buckets
@@ -160,7 +166,14 @@ class Calibrator:
             # offset, or an offset pushed far off (by a cold, over-predicting fit) would come
             # back only ~raw per sample
             r = min(max(observed_ms - raw_ms, -raw_ms / 2), max(self.offset, 0.0) + 2 * raw_ms + 10.0)
-            self.offset += self.alpha * (r - self.offset)
+            self._resid.append(r)
+            # NOTE: the median of the recent residuals once there are enough: a request that
+            # met a step of the other service on a shared device waits a step more (TTFT is
+            # bimodal there); the median predicts the common case, an average neither
+            if len(self._resid) >= MEDIAN_AFTER:
+                self.offset = median(self._resid)
+            else:
+                self.offset += self.alpha * (r - self.offset)
             self.offset = min(max(self.offset, -self.max_offset_ms), self.max_offset_ms)
         else:
             x = math.log(min(max((observed_ms - self.offset) / raw_ms, lo), hi))
