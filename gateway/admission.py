@@ -90,6 +90,9 @@ class AdmissionConfig:
         for k in ("prefill_tokens_per_s", "decode_step_ms"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be > 0")
+        q = self.headroom_quantile
+        if q is not None and not 0.5 <= q < 1.0:
+            raise ValueError(f"slo attainment (headroom quantile) must be in [0.5, 1), got {q}")
         for k in ("default_ttft_ms", "default_tpot_ms"):
             v = getattr(self, k)
             if v is not None and v <= 0:

@@ -108,6 +108,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="longest a request may wait in admission")
     p.add_argument("--prefill-tokens-per-s", type=float, default=2000.0,
                    help="prefill rate prior until measured")
+    p.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="share of admitted requests admission budgets to meet their SLO: the "
+                   "quantile of recent observed / predicted ratios added as headroom")
     p.add_argument("--log-level", default=None)
     p.add_argument("--prefill-on-decode", choices=PREFILL_ON_DECODE,
                    default=env_str("SPLITSERVE_PREFILL_ON_DECODE", "never"),
@@ -163,6 +166,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         grpc_max_streams_per_connection=a.grpc_max_streams_per_connection,
         admission=AdmissionConfig(default_ttft_ms=a.default_ttft_ms, default_tpot_ms=a.default_tpot_ms,
                                   max_queue_ms=a.max_queue_ms,
-                                  prefill_tokens_per_s=a.prefill_tokens_per_s),
+                                  prefill_tokens_per_s=a.prefill_tokens_per_s,
+                                  headroom_quantile=a.slo_attainment),
         prefill_on_decode=a.prefill_on_decode, log_level=a.log_level, ready_file=a.ready_file,
         drain_timeout_s=a.drain_timeout_s)

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                    help="the peak of an earlier run (skips the search; phases auto, colocated alone)")
     p.add_argument("--peak-duration", type=float, default=8.0, help="s per peak-search probe")
     p.add_argument("--mixed-input", default="lognormal:256,1.2")
-    p.add_argument("--mixed-factor", type=float, default=0.7)
+    p.add_argument("--mixed-factor", type=float, default=0.7, help="0: no mixed-trace runs")
     p.add_argument("--phases", default="split,auto,colocated")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--ready-timeout", type=float, default=240.0)
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
                 rates = [float(f) * peak for f in a.factors.split(",")]
                 mixed_rate = a.mixed_factor * peak
                 say(f"peak {peak:.2f} req/s ({doc['config']['peak']})")
-            if left(a) > 60:
+            if mixed_rate and left(a) > 60:
                 rs += rows(bench(srv.url, a, f"serve-{tag}-mixed-never", [
                     *mixed, "--rate", f"{mixed_rate:.3f}", "--duration", str(2 * a.duration)]), "never")
         finally:

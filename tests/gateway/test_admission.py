@@ -155,3 +155,18 @@ def test_decode_step_fit_stays_finite_under_coalesced_gaps():
         assert math.isfinite(t) and t >= 0 and math.isfinite(base) and base >= 0
     a, b = p.step_fit.coef()
     assert a >= 0 and b >= 0
+
+
+def test_slo_attainment_flag_sets_the_headroom_quantile():
+    import argparse
+
+    from gateway.config import add_args, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    base = ["--port", "0", "--http-port", "0", "--insecure-internal"]
+    assert config_from_args(p.parse_args(base)).admission.headroom_quantile == 0.9
+    cfg = config_from_args(p.parse_args([*base, "--slo-attainment", "0.95"]))
+    assert cfg.admission.headroom_quantile == 0.95
+    with pytest.raises(ValueError, match="slo attainment"):
+        config_from_args(p.parse_args([*base, "--slo-attainment", "1.5"]))
