@@ -83,7 +83,7 @@ class AdmissionConfig:
     # admission decides on the corrected estimate times this quantile of the recent
     # observed / estimated ratios (in [1, 2]; None: the estimate alone), so an estimate that
     # is right on average does not admit the requests it is too low for
-    headroom_quantile: float | None = 0.9
+    headroom_quantile: float | None = 0.95
     calibration_min_samples: int = 16
 
     def __post_init__(self):

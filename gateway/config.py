@@ -108,7 +108,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="longest a request may wait in admission")
     p.add_argument("--prefill-tokens-per-s", type=float, default=2000.0,
                    help="prefill rate prior until measured")
-    p.add_argument("--slo-attainment", type=float, default=0.9,
+    p.add_argument("--slo-attainment", type=float, default=0.95,
                    help="share of admitted requests admission budgets to meet their SLO: the "
                    "quantile of recent observed / predicted ratios added as headroom")
     p.add_argument("--log-level", default=None)

@@ -165,8 +165,8 @@ def test_slo_attainment_flag_sets_the_headroom_quantile():
     p = argparse.ArgumentParser()
     add_args(p)
     base = ["--port", "0", "--http-port", "0", "--insecure-internal"]
-    assert config_from_args(p.parse_args(base)).admission.headroom_quantile == 0.9
-    cfg = config_from_args(p.parse_args([*base, "--slo-attainment", "0.95"]))
-    assert cfg.admission.headroom_quantile == 0.95
+    assert config_from_args(p.parse_args(base)).admission.headroom_quantile == 0.95
+    cfg = config_from_args(p.parse_args([*base, "--slo-attainment", "0.9"]))
+    assert cfg.admission.headroom_quantile == 0.9
     with pytest.raises(ValueError, match="slo attainment"):
         config_from_args(p.parse_args([*base, "--slo-attainment", "1.5"]))
