@@ -139,6 +139,9 @@ class Predictor:
         # KV handoff ms = a + b * new tokens: the blocks a cached prefix spares the prefill
         # mostly spare the handoff too, and its fixed cost (an RPC, a map) is no per-token rate
         self.transfer_fit = RobustLinear(0.0, cfg.transfer_ms_per_token)
+        # prompts a decode replica prefills in its own steps (--prefill-on-decode): another
+        # engine, often the only one prefilling (auto on one GPU), so a fit of its own
+        self.here_fit = RobustLinear(0.0, per_token)
         self.ttft_cal = Calibrator(additive=True)
         # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
         self.tpot_cal = Calibrator(additive=False)
@@ -154,6 +157,12 @@ class Predictor:
         if transfer_ms is not None and transfer_ms >= 0 and num_tokens > 0:
             self.transfer_fit.add(num_tokens, transfer_ms)
 
+    def observe_prefill_here(self, num_tokens: int, ttft_ms: float, step_ms: float) -> None:
+        """A prompt a decode replica prefilled with nothing else of ours ahead: its TTFT from the
+        admit decision less the decode step the prediction adds (`predict(here=True)`)."""
+        if num_tokens > 0 and ttft_ms > 0 and math.isfinite(ttft_ms):
+            self.here_fit.add(num_tokens, max(ttft_ms - max(step_ms, 0.0), 0.1 * ttft_ms))
+
     def observe_decode_gap(self, gap_ms: float, batch: int) -> None:
         """A token gap measured at the gateway at a (polled) decode batch size."""
         if gap_ms > 0 and math.isfinite(gap_ms):
@@ -164,19 +173,21 @@ class Predictor:
             self.step_fit.add(batch, min(gap_ms, cap) if cap > 0 else gap_ms)
 
     # ---- predictions
-    def prefill_ms(self, prefill: LoadView, num_tokens: int,
-                   cached_tokens: int = 0) -> tuple[float, float]:
+    def prefill_ms(self, prefill: LoadView, num_tokens: int, cached_tokens: int = 0,
+                   here: bool = False) -> tuple[float, float]:
         """-> (raw predicted ms until this prompt's first token, same on an idle replica);
-        cached_tokens: prompt tokens the replica's prefix cache is expected to hold.
+        cached_tokens: prompt tokens the replica's prefix cache is expected to hold; here: a
+        decode replica prefills it (its own fit, no KV handoff).
         raw = queue wait (prompt tokens ahead on the replica / prefill rate) + own prefill
         (a + b * new tokens) + KV handoff + fixed overhead."""
-        a, per_token = self._per_token(prefill)
+        fit = self.here_fit if here else self.prefill_fit
+        a, per_token = fit.coef() if here else self._per_token(prefill)
         new = max(num_tokens - cached_tokens, 1)
         own = max(a, 0.0) + new * per_token
-        r = self.prefill_fit.min_ratio() if self.prefill_fit.samples < YOUNG_FIT else None
+        r = fit.min_ratio() if fit.samples < YOUNG_FIT else None
         if r is not None:  # a young fit may hold only a cold engine's seconds: bound it
             own, per_token = min(own, new * r), min(per_token, r)
-        transfer = max(self.transfer_fit(new), 0.0)
+        transfer = 0.0 if here else max(self.transfer_fit(new), 0.0)
         idle = own + transfer + self.cfg.overhead_ms
         return self.tokens_ahead(prefill) * per_token + idle, idle
 
@@ -229,7 +240,7 @@ class Predictor:
         """Calibrated prediction (the raw models corrected by the Calibrators). joining:
         admitted requests still prefilling that will join this decode replica's batch; here:
         the decode replica prefills it, so its first token also waits for a decode step."""
-        ttft, idle_ttft = self.prefill_ms(prefill, num_tokens, cached_tokens)
+        ttft, idle_ttft = self.prefill_ms(prefill, num_tokens, cached_tokens, here)
         tpot, idle_tpot = self.tpot_ms(decode, joining)
         if here:
             ttft, idle_ttft = ttft + tpot, idle_ttft + idle_tpot

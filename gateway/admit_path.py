@@ -65,7 +65,7 @@ class AdmitPath:
             # more than PROBE_FACTOR even idle (a tiny SLO).
             k = PROBE_FACTOR
             idle_p = self.predictor.tpot_ms(d.load)[1]
-            idle_t = (self.predictor.prefill_ms(LoadView(), n)[1] + idle_p if route.here else
+            idle_t = (self.predictor.prefill_ms(LoadView(), n, here=True)[1] + idle_p if route.here else
                       self.predictor.prefill_ms(p.load, n, route.cached)[1])
             if (ttft is None or idle_t <= k * ttft) and (tpot is None or idle_p <= k * tpot):
                 return Decision("admit", "idle probe: nothing admitted is running", pred)
@@ -123,6 +123,7 @@ class AdmitPath:
             self.num_admitted += 1
             if route.here is not None:
                 route.inflight = len(req.prompt_token_ids)
+                route.alone = route.here.load.inflight_tokens == 0
                 route.here.add_inflight(route.inflight)
             else:
                 route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)

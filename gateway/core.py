@@ -222,7 +222,14 @@ class GatewayCore(AdmitPath, Downstream):
             t_first = time.monotonic()
             route.settle()
             ttft_ms = (t_first - req.arrival) * 1e3
-            self._observe_outcome(req, route, (t_first - route.t_decided) * 1e3, None)
+            got_ms = (t_first - route.t_decided) * 1e3
+            self._observe_outcome(req, route, got_ms, None)
+            if pre is None and route.alone and route.prediction is not None:
+                # prefilled here with nothing of ours ahead: the here fit's sample
+                pr = route.prediction
+                self.predictor.observe_prefill_here(
+                    len(req.prompt_token_ids), got_ms,
+                    pr.raw_tpot_ms if pr.raw_tpot_ms is not None else pr.tpot_ms)
             self.metrics.ttft.observe(ttft_ms / 1e3)
             sp.set_attribute(GenAI.TTFT, ttft_ms / 1e3)
             pt = pre.timings if pre is not None else None

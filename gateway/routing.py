@@ -84,7 +84,9 @@ class Route:
     decode: Replica | None = None
     tpot_slo: float | None = None
     admitted: bool = False
-    alone: bool = False  # its Prefill went to a replica with nothing else of ours in flight
+    # its Prefill went to a replica with nothing else of ours in flight (prefilled `here`:
+    # nothing else of ours was waiting for its first token there at the admit decision)
+    alone: bool = False
     # --prefill-on-decode: the decode replica admission predicted it prefills there; its
     # in-flight tokens are counted there (until the first token) instead of on `prefill`
     here: Replica | None = None

@@ -170,3 +170,20 @@ def test_slo_attainment_flag_sets_the_headroom_quantile():
     assert cfg.admission.headroom_quantile == 0.9
     with pytest.raises(ValueError, match="slo attainment"):
         config_from_args(p.parse_args([*base, "--slo-attainment", "1.5"]))
+
+
+def test_prompts_prefilled_on_decode_learn_their_own_rate():
+    """--prefill-on-decode auto on one GPU sends every prompt there: no Prefill call ever
+    times the prefill fit, so the here fit learns from those prompts' own first tokens (the H100
+    run predicted 200-450 ms for 60-140 ms TTFTs off the 2000 tokens/s prior)."""
+    p = Predictor(AdmissionConfig(prefill_tokens_per_s=2000.0, overhead_ms=0.0))
+    step = p.tpot_ms(LoadView())[0]
+    for i in range(30):
+        n = 50 + 40 * (i % 8)
+        p.observe_prefill_here(n, step + 20.0 + 0.05 * n, step)
+    raw, idle = p.prefill_ms(LoadView(), 300, here=True)
+    assert abs(idle - (20.0 + 0.05 * 300)) < 3.0
+    pred = p.predict(LoadView(), LoadView(), 300, here=True)
+    assert abs(pred.raw_ttft_ms - (step + 35.0)) < 3.0
+    # the split path keeps its prior: nothing observed it
+    assert p.prefill_ms(LoadView(), 300)[1] > 100.0
