@@ -5,7 +5,8 @@ Prediction (per candidate replica pair, see `Predictor`):
             seen finish) + this prompt's uncached tokens) / prefill rate + transfer + overhead
     TPOT = decode step time at the batch (running + admitted still prefilling + 1), inflated
            as KV usage nears full
-Fitted online: prefill ms = a + b * new tokens (PrefillResponse timings; `RobustLinear`),
+Fitted online: prefill ms = a + b * new tokens (PrefillResponse timings; `RobustLinear`), the
+same for KV handoff ms and for prompts a decode replica prefills itself (their first tokens),
 decode step ms = a + b * batch (the gateway's token gaps; `OnlineLinear`); Load adds the rest.
 
 Calibration: each admitted request's prediction is compared with what it then got (TTFT from
@@ -13,8 +14,8 @@ the admit decision to its first token, TPOT over its stream). A `Calibrator` per
 corrects it per load bucket (TTFT: work queued ahead relative to the prompt's own; TPOT: the
 batch): corrected = offset + factor * raw, the offset (TTFT) learned with nothing queued ahead,
 the factor bounded to [1/2, 2], so the correction can never turn into a constant. Decisions use
-the corrected estimate times a headroom (the 90th percentile of the bucket's recent observed /
-estimated ratios, >= 1) so admitted requests meet their SLO, not just half of them; a nearly
+the corrected estimate times a headroom (the `--slo-attainment` quantile, 0.95 by default, of
+the bucket's recent observed / estimated ratios, >= 1) so admitted requests meet their SLO, not just half of them; a nearly
 idle replica gets none: it covers queueing error, and a request that meets its SLO with no
 queue must not be turned away at low load.
 
