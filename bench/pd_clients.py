@@ -159,8 +159,8 @@ def parse_sse(buf: bytes) -> tuple[list, bytes]:
 def sse_tokens(ev: dict) -> int:
     """Tokens a /v1/completions stream chunk carries as far as the client can tell: its
     logprobs entries when asked, else one per chunk with a choice (a token whose text is empty
-    is not sent at all; rest_one puts the tokens the usage counts but no chunk showed on the
-    last one)."""
+    is not sent at all; the REST client puts the tokens the usage counts but no chunk showed
+    on the last one: add_unseen_tokens)."""
     ch = (ev.get("choices") or [None])[0]
     if ch is None:
         return 0
@@ -192,30 +192,6 @@ def add_unseen_tokens(events: list[tuple[float, int]], completion_tokens: int | 
         events[-1] = (t, n + completion_tokens - seen)
 
 
-async def rest_one(session, url: str, model: str, prompt: list[int], max_tokens: int,
-                   logprobs: int | None, timeout_s: float) -> Trace:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    if logprobs is not None:
-        body["logprobs"] = logprobs
-    import aiohttp
-
-    tr = Trace(time.perf_counter())
-    usage = None
-    async with session.post(url + "/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-        async for now, ev in sse_chunks(r):
-            usage = ev.get("usage") or usage
-            n = sse_tokens(ev)
-            if n:
-                tr.events.append((now, n))
-    if usage:
-        add_unseen_tokens(tr.events, usage["completion_tokens"])
-    return tr
-
-
 async def run_system(api: str, addr: str, model: str, prompts: list[list[int]], max_tokens: int,
                      logprobs: int | None = None, timeout_s: float = 600.0) -> list[Trace]:
     """len(prompts) concurrent streaming clients, one request each; raises the first error."""
@@ -231,12 +207,21 @@ async def run_system(api: str, addr: str, model: str, prompts: list[list[int]], 
             stub = generate_pb2_grpc.GenerationStub(ch)
             return list(await asyncio.gather(*(grpc_one(stub, p, max_tokens, logprobs, timeout_s)
                                                for p in prompts)))
-    import aiohttp
+    from bench.serve_client import ClientConfig, RestClient
+    from bench.serve_trace import Req
 
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        return list(await asyncio.gather(*(rest_one(s, addr, model, p, max_tokens, logprobs,
-                                                    timeout_s) for p in prompts)))
+    client = RestClient(ClientConfig(url=addr, model=model, send_slo=False, timeout_s=timeout_s,
+                                     logprobs=logprobs))
+    try:
+        outs = await asyncio.gather(*(client.send(Req(i, p, None, max_tokens))
+                                      for i, p in enumerate(prompts)))
+    finally:
+        await client.close()
+    for o in outs:
+        if o.status != "ok":
+            raise RuntimeError(f"HTTP {o.code}: {o.error[:200]}" if o.code.isdigit()
+                               else f"{o.code}: {o.error[:200]}")
+    return [Trace(o.t_send, o.events) for o in outs]
 
 
 # ---- reaching the running system ----------------------------------------------------------

@@ -31,7 +31,7 @@ import os
 import sys
 
 from bench.pd_clients import scrape_metrics
-from bench.serve_client import ClientConfig, make_client, run_closed, run_open
+from bench.serve_client import ClientConfig, make_client, run_load
 from bench.serve_peak import measure_peak
 from bench.serve_stats import compare, outcome_rows, samples, summarize
 from bench.serve_trace import PRESETS, TraceSpec, arrival_times, build_trace, describe, trace_digest
@@ -157,16 +157,9 @@ async def run_point(cfg: ClientConfig, reqs, times, concurrency: int, label: str
                     metrics_url: str | None):
     """One load point on one side (open loop at `times`, else closed loop) ->
     (outcomes, wall_s, gateway deltas)."""
-    client = make_client(cfg)
-    try:
-        before = scrape(metrics_url)
-        if times is not None:
-            outs, wall = await run_open(client, reqs, times, label)
-        else:
-            outs, wall = await run_closed(client, reqs, concurrency, label)
-        return outs, wall, gateway_delta(before, scrape(metrics_url))
-    finally:
-        await client.close()
+    before = scrape(metrics_url)
+    outs, wall = await run_load(cfg, reqs, times, concurrency, label)
+    return outs, wall, gateway_delta(before, scrape(metrics_url))
 
 
 def _slices(reqs, times, rounds: int):
@@ -244,9 +237,7 @@ async def main_async(a) -> dict:
     if a.warmup:
         warm = build_trace(dataclasses.replace(spec, num_requests=a.warmup, seed=a.seed + 7919), vocab)
         for label, cfg, _ in sides:
-            c = make_client(dataclasses.replace(cfg, send_slo=False))
-            await run_closed(c, warm, 1, f"{label} warmup")
-            await c.close()
+            await run_load(dataclasses.replace(cfg, send_slo=False), warm, None, 1, f"{label} warmup")
     peak = peak_info = None
     if points[0][0] == "factor":
         peak, peak_info = await measure_peak(base, spec, vocab, a)

@@ -66,6 +66,7 @@ class ClientConfig:
     temperature: float = 0.0
     timeout_s: float = 600.0
     api_key: str | None = None
+    logprobs: int | None = None  # completions: top logprobs a token (None: not asked)
 
 
 def _rejection(o: Outcome, code: str, msg: str, retry: float | None) -> None:
@@ -103,6 +104,8 @@ class RestClient:
             b["messages"] = req.messages or [{"role": "user", "content": req.text or ""}]
             return "/v1/chat/completions", b
         b["prompt"] = req.prompt_ids if req.prompt_ids is not None else req.text
+        if c.logprobs is not None:
+            b["logprobs"] = c.logprobs
         return "/v1/completions", b
 
     async def send(self, req: Req) -> Outcome:
@@ -220,6 +223,19 @@ def make_client(cfg: ClientConfig):
     if cfg.api not in ("completions", "chat", "grpc"):
         raise ValueError(f"api {cfg.api!r}: completions, chat or grpc")
     return GrpcClient(cfg) if cfg.api == "grpc" else RestClient(cfg)
+
+
+async def run_load(cfg: ClientConfig, reqs: list[Req], times: list[float] | None, concurrency: int,
+                   label: str = "") -> tuple[list[Outcome], float]:
+    """One load on its own client: open loop at `times`, else `concurrency` closed-loop clients
+    -> (outcomes, wall s)."""
+    client = make_client(cfg)
+    try:
+        if times is not None:
+            return await run_open(client, reqs, times, label)
+        return await run_closed(client, reqs, concurrency, label)
+    finally:
+        await client.close()
 
 
 class Progress:

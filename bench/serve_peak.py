@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench.serve_client import make_client, run_closed, run_open
+from bench.serve_client import run_load
 from bench.serve_stats import summarize
 from bench.serve_trace import arrival_times, build_trace
 
@@ -25,11 +25,7 @@ CONTENT_BASE = 1000  # content seeds of the probes (load points use small ones)
 async def closed_peak(cfg, spec, vocab: int, a) -> float:
     n = a.num_requests or 4 * a.peak_concurrency
     reqs = build_trace(dataclasses.replace(spec, num_requests=n), vocab, CONTENT_BASE - 1)
-    client = make_client(cfg)
-    try:
-        outs, wall = await run_closed(client, reqs, a.peak_concurrency, "peak")
-    finally:
-        await client.close()
+    outs, wall = await run_load(cfg, reqs, None, a.peak_concurrency, "peak")
     s = summarize(outs, wall)
     if not s["completed"]:
         raise SystemExit(f"peak run: no request completed ({s['errors_by_code']})")
@@ -40,11 +36,8 @@ async def probe(cfg, spec, vocab: int, rate: float, k: int, a) -> dict:
     n = max(4, round(rate * a.peak_duration))
     reqs = build_trace(dataclasses.replace(spec, num_requests=n), vocab, CONTENT_BASE + k)
     times = arrival_times(n, rate, a.arrival, a.burstiness, a.seed + CONTENT_BASE + k)
-    client = make_client(dataclasses.replace(cfg, send_slo=False))
-    try:
-        outs, wall = await run_open(client, reqs, times, f"peak probe {rate:.3g}/s")
-    finally:
-        await client.close()
+    outs, wall = await run_load(dataclasses.replace(cfg, send_slo=False), reqs, times, 0,
+                                f"peak probe {rate:.3g}/s")
     s = summarize(outs, wall, a.ttft_ms, a.tpot_ms, rate)
     return {"rate": rate, "requests": n, "attainment": s["slo_attainment"],
             "goodput_rps": s["goodput_rps"], "errors": s["errors"],
