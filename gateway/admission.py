@@ -15,8 +15,8 @@ corrects it per load bucket (TTFT: work queued ahead relative to the prompt's ow
 batch): corrected = offset + factor * raw, the offset (TTFT) learned with nothing queued ahead,
 the factor bounded to [1/2, 2], so the correction can never turn into a constant. Decisions use
 the corrected estimate times a headroom (the `--slo-attainment` quantile, 0.95 by default, of
-the bucket's recent observed / estimated ratios, >= 1) so admitted requests meet their SLO, not just half of them; a nearly
-idle replica gets none: it covers queueing error, and a request that meets its SLO with no
+the bucket's recent observed / estimated ratios, >= 1) so admitted requests meet their SLO, not
+just half of them; a nearly idle replica gets none: it covers queueing error, and a request that meets its SLO with no
 queue must not be turned away at low load.
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO

@@ -96,8 +96,7 @@ class Calibrator:
         corrected = offset + factor[bucket] * raw
     `offset` (additive=True only) is the fixed cost the model misses (RPCs, handoff
     bookkeeping), learned from bucket-0 samples (nothing queued ahead: the median of the last
-    OFFSET_WINDOW residuals), where the raw model is
-    the measured compute alone; factor[b] (fixed at 1 in bucket 0 when additive) is a
+    OFFSET_WINDOW residuals), where the raw model is the measured compute alone; factor[b] (fixed at 1 in bucket 0 when additive) is a
     log-space EWMA of (observed - offset) / raw in that bucket, clamped to
     [1 / max_factor, max_factor]. The slope on the raw prediction therefore never drops below
     1 / max_factor: the correction cannot collapse into a constant that ignores the model.

@@ -131,15 +131,16 @@ def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
             out.copy_(o)
         else:
             out.index_copy_(0, plan.decode_rows, o)
-    fresh_ok = k.dtype == kv_cache.dtype  # (as stored: no rounding skipped)
-    fresh = [r for r in plan.prompt_rows if fresh_ok and r[2] == r[1] - r[0]]
+    # fresh: no cached context, and k / v as the cache stores them (no rounding skipped)
+    fresh_ok = k.dtype == kv_cache.dtype
+    fresh, cached = [], []
+    for r in plan.prompt_rows:
+        (fresh if fresh_ok and r[2] == r[1] - r[0] else cached).append(r)
     for group in fresh_groups(fresh):
         _fresh_prompts(q, k, v, out, group, scale, cdt)
-    for qs, qe, ctx, i in plan.prompt_rows:
-        if fresh_ok and ctx == qe - qs:
-            continue
+    if cached:
         from engine.layers.attention import gather_kv_torch
-
+    for qs, qe, ctx, i in cached:
         ql = qe - qs
         qi = q[qs:qe].to(cdt).transpose(0, 1)  # [Hq, ql, D]
         ki, vi = gather_kv_torch(kv_cache, meta.block_tables[i], ctx, cdt)
