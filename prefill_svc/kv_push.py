@@ -108,6 +108,12 @@ class KVPusher:
     def is_pool(route: Route) -> bool:
         return route.backend in POOL_BACKENDS
 
+    @staticmethod
+    def proven(route: Route, ticket) -> bool:
+        """A pool route whose decode took our last handoff: the answer need not wait for this one."""
+        ok = getattr(route.sender, "proven", None)
+        return ok is not None and ok(ticket.decode_address)
+
     async def handoff(self, route: Route, ticket, request_id: str, engine, num_tokens: int,
                       metadata: tuple = (), block_ids: list[int] | None = None) -> tuple[int, str]:
         """Pool backends, after the prompt's forward: decode copies the request's blocks

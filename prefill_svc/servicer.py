@@ -9,6 +9,12 @@ Prefill(request, ticket):
   3. first token sampled -> wait for decode's ack of the whole KV (pool backends: one
      PoolHandoff call naming our blocks; decode copies them and answers)
   4. release the blocks (always, also on failure / cancel; full blocks stay in the prefix cache)
+
+Pool backends answer at the first token once the pair has completed one handoff: the handoff
+(a device copy on decode, ~1-3 ms with its RPC) then runs after the answer, overlapping the
+gateway's first-token write and its Decode call, which waits for the KV (transfer_timeout_ms).
+A handoff that fails then fails that transfer on decode, so the request ends with Decode's
+error; prefill keeps its blocks, and counts itself in flight (drain), until the handoff ends.
 """
 from __future__ import annotations
 
@@ -93,6 +99,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             layers: asyncio.Queue = asyncio.Queue()
             self.in_flight += 1
             ok, added, push = False, False, None  # added: the engine holds the id (free it after)
+            detached = False  # the handoff runs on after the answer (_handoff_after frees)
             pool = self.pusher.is_pool(route)  # the KV stays in our pool: no layers to stream
             try:
                 if not pool:
@@ -128,7 +135,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     try:
                         # NOTE: every layer was queued before the first token was delivered; the
                         # bound only guards against a transfer that never ends
-                        if pool:
+                        if pool and self.pusher.proven(route, ticket):
+                            nbytes, backend = self._handoff_after(route, ticket, rid, first, len(prompt))
+                            detached = True
+                        elif pool:
                             nbytes, backend = await asyncio.wait_for(
                                 self.pusher.handoff(route, ticket, rid, self.engine, len(prompt),
                                                     inject_metadata(), first.block_ids),
@@ -148,19 +158,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.metrics.requests.labels(outcome="abort" if cancelled else "error").inc()
                 raise
             finally:
-                self.in_flight -= 1
+                if not detached:
+                    self.in_flight -= 1
                 if push is not None and not push.done():
                     push.cancel()  # it aborts its transfer
                 # NOTE: always, shielded: a cancelled RPC still frees the blocks. abort (not just
                 # release) on failure also drops a request whose add_request is still queued.
-                if added:
+                if added and not detached:
                     rel = asyncio.ensure_future(_release(self.engine, rid, abort=not ok))
                     if ok:  # the answer need not wait for the engine thread to free the blocks
                         self._releases.add(rel)
                         rel.add_done_callback(self._releases.discard)
                     else:
                         await asyncio.shield(rel)
-            self.metrics.observe_kv_transfer("send", nbytes, t_sent - t_first)
+            if not detached:
+                self.metrics.observe_kv_transfer("send", nbytes, t_sent - t_first)
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.request_prompt_tokens.observe(len(prompt))
             if first.queue_s is not None:
@@ -182,8 +194,37 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 timings=prefill_pb2.PrefillTimings(prefill_ms=(t_first - t_in) * 1e3,
                                                    transfer_ms=(t_sent - t_first) * 1e3))
 
+    def _handoff_after(self, route, ticket, rid: str, first, n_prompt: int) -> tuple[int, str]:
+        """Start the pool handoff without waiting for it; -> (bytes it will move, backend).
+        The task releases the blocks (aborts them on failure) and leaves in_flight after."""
+        lay = self.layout
+        n_blocks = -(-n_prompt // lay.block_size) - ticket.num_cached_blocks
+        task = asyncio.ensure_future(self._handoff_task(route, ticket, rid, first, n_prompt))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return lay.num_layers * lay.layer_nbytes(n_blocks), route.backend
+
+    async def _handoff_task(self, route, ticket, rid: str, first, n_prompt: int) -> None:
+        ok, t0 = False, time.perf_counter()
+        try:
+            nbytes, _ = await asyncio.wait_for(
+                self.pusher.handoff(route, ticket, rid, self.engine, n_prompt, (), first.block_ids),
+                self.pusher.timeout_s + 5)
+            ok = True
+            self.metrics.observe_kv_transfer("send", nbytes, time.perf_counter() - t0)
+        except (TransferError, asyncio.TimeoutError, TimeoutError) as e:
+            self.metrics.kv_transfer_failures.labels(direction="send").inc()
+            log.warning("KV handoff of %s to %s failed after its first token: %s",
+                        rid, ticket.decode_address, str(e) or "timed out")
+        except Exception:  # noqa: BLE001 - this request's transfer only
+            self.metrics.kv_transfer_failures.labels(direction="send").inc()
+            log.exception("KV handoff of %s failed", rid)
+        finally:
+            self.in_flight -= 1
+            await asyncio.shield(_release(self.engine, rid, abort=not ok))
+
     async def settled(self) -> None:
-        """Wait for the success-path releases still queued (shutdown, tests)."""
+        """Wait for the handoffs after an answer and the releases still queued (shutdown, tests)."""
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
 

@@ -23,10 +23,16 @@ class PoolKVSender:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, object] = {}
         self._down: dict[str, str] = {}   # decode address -> why its pool attach failed
+        self._proven: set[str] = set()    # decode addresses whose last handoff succeeded
         self._options = channel_options or []
 
     def unusable(self, address: str) -> str | None:
         return self._down.get(address)
+
+    def proven(self, address: str) -> bool:
+        """The last handoff to this decode succeeded (it maps our pool): callers may answer
+        before the next one ends."""
+        return address in self._proven
 
     def prepare(self, address: str, peer) -> None:  # the pool is mapped at the first handoff
         pass
@@ -52,12 +58,18 @@ class PoolKVSender:
             k_scales=k_scales or [], v_scales=v_scales or [])
         try:
             reply = await self._stub(address).PoolHandoff(req, timeout=timeout_s, metadata=metadata or None)
-        except grpc.aio.AioRpcError as e:
+        except BaseException as e:
+            # ABORTED: that transfer is gone (e.g. its client left), the pair still works
+            if not isinstance(e, grpc.aio.AioRpcError) or e.code() != grpc.StatusCode.ABORTED:
+                self._proven.discard(address)
+            if not isinstance(e, grpc.aio.AioRpcError):
+                raise
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self._down[address] = e.details() or "decode cannot map the pool"
                 raise PoolUnreachable(self._down[address]) from e
             raise TransferError(f"{self.backend} handoff to {address} failed: "
                                 f"{e.code().name}: {e.details()}") from e
+        self._proven.add(address)
         return int(reply.bytes_moved)
 
     async def close(self) -> None:
