@@ -15,6 +15,7 @@ Pool backends answer at the first token once the pair has completed one handoff:
 gateway's first-token write and its Decode call, which waits for the KV (transfer_timeout_ms).
 A handoff that fails then fails that transfer on decode, so the request ends with Decode's
 error; prefill keeps its blocks, and counts itself in flight (drain), until the handoff ends.
+A first token that ends the request (no Decode follows) still waits for its handoff.
 """
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     try:
                         # NOTE: every layer was queued before the first token was delivered; the
                         # bound only guards against a transfer that never ends
-                        if pool and self.pusher.proven(route, ticket):
+                        if pool and self.pusher.proven(route, ticket) and not _ends_here(first, params, self.engine):
                             nbytes, backend = self._handoff_after(route, ticket, rid, first, len(prompt))
                             detached = True
                         elif pool:
@@ -232,6 +233,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         st = self.engine.stats()
         return load_to_pb(st, tokens_per_s=int(self._rate.update(self._prompt_tokens)),
                           device_id=self.device_id)
+
+
+def _ends_here(first, params, engine) -> bool:
+    """The first token ends the request (length, a stop id, EOS): no Decode follows and the
+    gateway releases the reservation at once, so the KV must have landed by the answer for
+    decode to keep the prompt's blocks cached. (Stop strings are the gateway's to see.)"""
+    tok = first.new_token_ids[0]
+    eos = getattr(getattr(engine, "engine", None), "eos_token_ids", ())
+    return (params.max_tokens is not None and params.max_tokens <= 1) or tok in params.stop_token_ids \
+        or (not params.ignore_eos and tok in eos)
 
 
 def _retrieve(task: asyncio.Task) -> None:
