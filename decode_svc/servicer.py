@@ -38,6 +38,7 @@ from protos import common_pb2, decode_pb2, decode_pb2_grpc
 log = logging.getLogger("splitserve.decode")
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+RELEASE_WAIT_S = 3.0  # Release(await_kv): the longest wait for a transfer's KV to land
 
 
 class DecodeServicer(StreamingMixin, decode_pb2_grpc.DecodeServicer):
@@ -242,6 +243,11 @@ class DecodeServicer(StreamingMixin, decode_pb2_grpc.DecodeServicer):
         rid, tid = request.request_id, request.transfer_id
         t = self.receiver.get(tid) if tid else self.receiver.find_request(rid)
         await self._check_caller(t.request_id if t is not None else rid, context)
+        if request.await_kv and t is not None and not t.claimed and not t.state.terminal:
+            # ended at its first token: its KV may still be landing (prefill answers before a
+            # proven pool handoff ends); let it, so its prompt's blocks are published
+            with contextlib.suppress(Exception):
+                await self.receiver.wait(t.transfer_id, RELEASE_WAIT_S)
         if t is not None and t.state is TransferState.DONE and t.prompt and not t.claimed:
             # its KV arrived whole (the first token ended the request): keep its prompt's
             # full blocks for later reservations; the release below runs after (FIFO)

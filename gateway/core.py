@@ -276,7 +276,8 @@ class GatewayCore(AdmitPath, Downstream):
             elif params.max_tokens <= 1 or n_prompt + 1 >= self.max_model_len:
                 reason = "length"
             if reason is not None:
-                self._release(dec, req.request_id, ticket.transfer_id, "finished at the first token")
+                self._release(dec, req.request_id, ticket.transfer_id, "finished at the first token",
+                              await_kv=True)
                 if detok and stop is None:
                     text += detok.flush()
                 yield finish_chunk([first], text, lps, reason, stop or "")

@@ -59,10 +59,12 @@ class Downstream:
         except Exception as e:  # noqa: BLE001 - best-effort cleanup
             log.debug("%s failed: %s", what, e)
 
-    def _release(self, replica, request_id: str, transfer_id: str, reason: str) -> None:
+    def _release(self, replica, request_id: str, transfer_id: str, reason: str,
+                 await_kv: bool = False) -> None:
         from protos import decode_pb2
 
-        req = decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id, reason=reason)
+        req = decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id, reason=reason,
+                                        await_kv=await_kv)
         self._background(self._quiet(replica.stub.Release(req, timeout=5.0), "Release"))
 
     def _abort(self, replica, request_id: str, transfer_id: str, reason: str) -> None:

@@ -138,7 +138,8 @@ async def test_released_after_arrival_still_publishes(services):
         await c.prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id="one", prompt_token_ids=p, params=pp, ticket=ticket), timeout=10)
         assert (await c.decode.Release(decode_pb2.ReleaseRequest(
-            request_id="one", transfer_id=ticket.transfer_id, reason="finished"), timeout=5)).found
+            request_id="one", transfer_id=ticket.transfer_id, reason="finished", await_kv=True),
+            timeout=5)).found
         again = (await c.decode.Reserve(decode_pb2.ReserveRequest(
             request_id="two", num_prompt_tokens=len(p), prompt_token_ids=p), timeout=5)).ticket
         assert again.num_cached_blocks == 2
