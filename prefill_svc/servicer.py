@@ -15,7 +15,8 @@ Pool backends answer at the first token once the pair has completed one handoff:
 gateway's first-token write and its Decode call, which waits for the KV (transfer_timeout_ms).
 A handoff that fails then fails that transfer on decode, so the request ends with Decode's
 error; prefill keeps its blocks, and counts itself in flight (drain), until the handoff ends.
-A first token that ends the request (no Decode follows) still waits for its handoff.
+A request that ends at its first token is released with ReleaseRequest.await_kv, so decode
+lets such a handoff land and keeps the prompt's blocks cached.
 """
 from __future__ import annotations
 
@@ -136,14 +137,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     try:
                         # NOTE: every layer was queued before the first token was delivered; the
                         # bound only guards against a transfer that never ends
-                        if pool and self.pusher.proven(route, ticket) and not _ends_here(first, params, self.engine):
+                        if pool and self.pusher.proven(route, ticket):
                             nbytes, backend = self._handoff_after(route, ticket, rid, first, len(prompt))
                             detached = True
                         elif pool:
-                            nbytes, backend = await asyncio.wait_for(
-                                self.pusher.handoff(route, ticket, rid, self.engine, len(prompt),
-                                                    inject_metadata(), first.block_ids),
-                                self.pusher.timeout_s + 5)
+                            nbytes, backend = await self._handoff(route, ticket, rid, first, len(prompt),
+                                                                  inject_metadata())
                         else:
                             nbytes, backend = await asyncio.wait_for(push, self.pusher.timeout_s + 5)
                     except (TransferError, asyncio.TimeoutError, TimeoutError) as e:
@@ -200,17 +199,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         The task releases the blocks (aborts them on failure) and leaves in_flight after."""
         lay = self.layout
         n_blocks = -(-n_prompt // lay.block_size) - ticket.num_cached_blocks
-        task = asyncio.ensure_future(self._handoff_task(route, ticket, rid, first, n_prompt))
+        task = asyncio.ensure_future(self._handoff_task(route, ticket, rid, first, n_prompt,
+                                                        inject_metadata()))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
         return lay.num_layers * lay.layer_nbytes(n_blocks), route.backend
 
-    async def _handoff_task(self, route, ticket, rid: str, first, n_prompt: int) -> None:
+    def _handoff(self, route, ticket, rid: str, first, n_prompt: int, metadata: tuple):
+        """The pool handoff of the request's blocks, bounded (it guards against a transfer
+        that never ends); -> awaitable of (bytes, backend)."""
+        return asyncio.wait_for(self.pusher.handoff(route, ticket, rid, self.engine, n_prompt,
+                                                    metadata, first.block_ids),
+                                self.pusher.timeout_s + 5)
+
+    async def _handoff_task(self, route, ticket, rid: str, first, n_prompt: int,
+                            metadata: tuple) -> None:
         ok, t0 = False, time.perf_counter()
         try:
-            nbytes, _ = await asyncio.wait_for(
-                self.pusher.handoff(route, ticket, rid, self.engine, n_prompt, (), first.block_ids),
-                self.pusher.timeout_s + 5)
+            nbytes, _ = await self._handoff(route, ticket, rid, first, n_prompt, metadata)
             ok = True
             self.metrics.observe_kv_transfer("send", nbytes, time.perf_counter() - t0)
         except (TransferError, asyncio.TimeoutError, TimeoutError) as e:
@@ -233,16 +239,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         st = self.engine.stats()
         return load_to_pb(st, tokens_per_s=int(self._rate.update(self._prompt_tokens)),
                           device_id=self.device_id)
-
-
-def _ends_here(first, params, engine) -> bool:
-    """The first token ends the request (length, a stop id, EOS): no Decode follows and the
-    gateway releases the reservation at once, so the KV must have landed by the answer for
-    decode to keep the prompt's blocks cached. (Stop strings are the gateway's to see.)"""
-    tok = first.new_token_ids[0]
-    eos = getattr(getattr(engine, "engine", None), "eos_token_ids", ())
-    return (params.max_tokens is not None and params.max_tokens <= 1) or tok in params.stop_token_ids \
-        or (not params.ignore_eos and tok in eos)
 
 
 def _retrieve(task: asyncio.Task) -> None:

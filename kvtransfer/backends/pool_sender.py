@@ -58,17 +58,17 @@ class PoolKVSender:
             k_scales=k_scales or [], v_scales=v_scales or [])
         try:
             reply = await self._stub(address).PoolHandoff(req, timeout=timeout_s, metadata=metadata or None)
-        except BaseException as e:
-            # ABORTED: that transfer is gone (e.g. its client left), the pair still works
-            if not isinstance(e, grpc.aio.AioRpcError) or e.code() != grpc.StatusCode.ABORTED:
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.ABORTED:  # ABORTED: that transfer is gone, the pair works
                 self._proven.discard(address)
-            if not isinstance(e, grpc.aio.AioRpcError):
-                raise
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self._down[address] = e.details() or "decode cannot map the pool"
                 raise PoolUnreachable(self._down[address]) from e
             raise TransferError(f"{self.backend} handoff to {address} failed: "
                                 f"{e.code().name}: {e.details()}") from e
+        except BaseException:  # cancelled or timed out: not known to work
+            self._proven.discard(address)
+            raise
         self._proven.add(address)
         return int(reply.bytes_moved)
 
