@@ -31,6 +31,7 @@ from common.convert import load_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import server_span, set_attrs
 from engine.sampling_params import InvalidRequestError
+from decode_svc.many import ManyMixin
 from decode_svc.streaming import _ABORTED, StreamingMixin, _Abort, _abort_quietly
 from kvtransfer import KVReceiver, TransferError, TransferState
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
@@ -41,7 +42,7 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 RELEASE_WAIT_S = 3.0  # Release(await_kv): the longest wait for a transfer's KV to land
 
 
-class DecodeServicer(StreamingMixin, decode_pb2_grpc.DecodeServicer):
+class DecodeServicer(ManyMixin, StreamingMixin, decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine, receiver: KVReceiver, metrics, *, address: str = "",
                  reservation_timeout_s: float = 30.0, transfer_timeout_s: float = 30.0,
                  owner: dict[str, str] | None = None, kv_backends=("grpc",), pair=None,

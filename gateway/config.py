@@ -15,6 +15,7 @@ DEFAULT_DECODE = "127.0.0.1:50071"
 
 
 PREFILL_ON_DECODE = ("never", "auto", "always")
+DECODE_STREAMS = ("many", "per-request")
 MAX_TOKENS_OVER_CONTEXT = ("error", "cap")
 
 
@@ -35,6 +36,7 @@ class GatewayConfig:
     max_tokens_over_context: str = "error"  # max_tokens beyond the context: error (400) | cap
     transfer_timeout_ms: int = 30000
     prefill_on_decode: str = "never"  # never | auto (decode and prefill share a GPU) | always
+    decode_streams: str = "many"  # many: one DecodeMany call per decode replica | per-request
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     log_level: str | None = None
     ready_file: str | None = None
@@ -50,6 +52,8 @@ class GatewayConfig:
         if self.prefill_on_decode not in PREFILL_ON_DECODE:
             raise ValueError(f"prefill_on_decode must be one of {PREFILL_ON_DECODE}, "
                              f"got {self.prefill_on_decode!r}")
+        if self.decode_streams not in DECODE_STREAMS:
+            raise ValueError(f"decode_streams must be one of {DECODE_STREAMS}, got {self.decode_streams!r}")
         if not self.prefill or not self.decode:
             raise ValueError("need at least one prefill and one decode address")
         for a in (*self.prefill, *self.decode):
@@ -118,6 +122,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "auto (when the prefill replica shares its GPU), always. Measured on one "
                         "H200 (bench.pd_system): auto gains ~6%% tokens/s at 64 clients but loses "
                         "short-prompt TTFT and ITL p99")
+    p.add_argument("--decode-streams", choices=DECODE_STREAMS,
+                   default=env_str("SPLITSERVE_DECODE_STREAMS", "many"),
+                   help="how token streams come from decode: many (default: one DecodeMany call "
+                        "per decode replica, one message a step for all its requests) or "
+                        "per-request (one Decode call each; for decode replicas without DecodeMany)")
     p.add_argument("--drain-timeout-s", type=float, default=env_float("SPLITSERVE_DRAIN_TIMEOUT_S", 30.0),
                    help="on SIGTERM / SIGINT: refuse new requests, let running ones finish for up "
                         "to this long, then exit")
@@ -168,5 +177,5 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s,
                                   headroom_quantile=a.slo_attainment),
-        prefill_on_decode=a.prefill_on_decode, log_level=a.log_level, ready_file=a.ready_file,
+        prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams, log_level=a.log_level, ready_file=a.ready_file,
         drain_timeout_s=a.drain_timeout_s)

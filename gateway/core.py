@@ -29,10 +29,11 @@ import grpc
 from common import telemetry
 from common.convert import params_to_pb as request_params_pb
 from common.metrics import ServiceMetrics
-from common.telemetry import GenAI
+from common.telemetry import GenAI, SpanKind
 from gateway.admission import AdmissionConfig, Predictor
 from gateway.admission_queue import AdmissionQueue
 from gateway.admit_path import AdmitPath
+from gateway.decode_many import DECODE_SERVICE
 from gateway.downstream import Downstream
 from gateway.routing import PrefixIndex, Replica, ReplicaPool, Route, order_decode
 from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid, prediction_timings
@@ -46,7 +47,8 @@ class GatewayCore(AdmitPath, Downstream):
     def __init__(self, *, model_name: str, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], prefill: ReplicaPool, decode: ReplicaPool,
                  admission: AdmissionConfig, metrics: ServiceMetrics, info: dict | None = None,
-                 transfer_timeout_ms: int = 30000, prefill_on_decode: str = "never"):
+                 transfer_timeout_ms: int = 30000, prefill_on_decode: str = "never",
+                 decode_streams: str = "many"):
         self.model_name = model_name
         self.tokenizer = tokenizer  # engine.tokenizer.Tokenizer or None (token ids only)
         self.max_model_len = max_model_len
@@ -61,6 +63,7 @@ class GatewayCore(AdmitPath, Downstream):
         self.info = info or {}
         self.transfer_timeout_ms = transfer_timeout_ms
         self.prefill_on_decode = prefill_on_decode  # gateway/config.py PREFILL_ON_DECODE
+        self.decode_streams = decode_streams  # gateway/config.py DECODE_STREAMS
         self._bg: set[asyncio.Task] = set()
         self.num_active = 0
         self.num_admitted = 0  # admitted requests not finished yet
@@ -290,15 +293,17 @@ class GatewayCore(AdmitPath, Downstream):
         call = None
         done = False
         try:
-            with telemetry.span("decode.Decode",
-                                attributes={"splitserve.replica": dec.address}):
-                call = dec.stub.Decode(decode_pb2.DecodeRequest(
+            many = self.decode_streams == "many"
+            with telemetry.span("decode.Decode", kind=SpanKind.CLIENT if many else SpanKind.INTERNAL,
+                                attributes={"splitserve.replica": dec.address, **(
+                                    {"rpc.system": "grpc", "rpc.service": DECODE_SERVICE,
+                                     "rpc.method": "DecodeMany"} if many else {})}):
+                call = self._decode_call(dec, decode_pb2.DecodeRequest(
                     request_id=req.request_id, transfer_id=ticket.transfer_id if ticket else "",
                     prompt_token_ids=req.prompt_token_ids,
                     first_token_id=pre.first_token_id if pre is not None else 0,
                     params=request_params_pb(params), detokenize=False,
-                    transfer_timeout_ms=self.transfer_timeout_ms, prefill_here=pre is None),
-                    metadata=telemetry.inject_metadata())
+                    transfer_timeout_ms=self.transfer_timeout_ms, prefill_here=pre is None))
                 t_last = time.monotonic()
                 async for resp in call:
                     ids = list(resp.token_ids)

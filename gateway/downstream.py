@@ -16,6 +16,7 @@ import grpc
 
 from common import telemetry
 from common.convert import params_to_pb as request_params_pb
+from gateway.decode_many import DecodeMany
 from gateway.routing import Route, order_decode, order_prefill
 from gateway.types import GatewayError, GenRequest
 
@@ -34,7 +35,7 @@ def _down_error(role: str, pool) -> GatewayError:
 
 class Downstream:
     """Needs (from GatewayCore): prefill, decode (ReplicaPool), predictor, prefix, queue,
-    metrics, admission_cfg, prefill_on_decode and the set _bg."""
+    metrics, admission_cfg, prefill_on_decode, decode_streams and the set _bg."""
 
     def replicas_up(self) -> bool:
         """A decode replica is up, and a prefill one unless every prompt is prefilled on decode."""
@@ -72,6 +73,16 @@ class Downstream:
 
         req = decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id, reason=reason)
         self._background(self._quiet(replica.stub.Abort(req, timeout=5.0), "Abort"))
+
+    def _decode_call(self, replica, request):
+        """The request's decode stream: on the replica's DecodeMany call (decode_streams many),
+        else its own Decode call. Either reads as a grpc.aio stream call."""
+        md = telemetry.inject_metadata()
+        if self.decode_streams == "per-request":
+            return replica.stub.Decode(request, metadata=md)
+        if replica.many is None:
+            replica.many = DecodeMany(replica.stub, replica.address)
+        return replica.many.open(request, dict(md))
 
     async def _reserve(self, req: GenRequest):
         """-> (decode replica, ticket). Tries decode replicas in routing order; when all are

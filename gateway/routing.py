@@ -52,6 +52,7 @@ class Replica:
     last_poll: float = 0.0
     last_error: str = ""
     tpot_slos: list[float] = field(default_factory=list)  # decode: of the requests it runs
+    many: object = None  # decode: its DecodeMany call (gateway.decode_many), opened on first use
 
     def add_inflight(self, tokens: int) -> None:
         self.load.inflight_tokens += tokens
@@ -246,6 +247,8 @@ class ReplicaPool:
         if self._task:
             self._task.cancel()
         for r in self.replicas:
+            if r.many is not None:
+                r.many.close()
             await r.channel.close()
 
     def any_healthy(self) -> bool:

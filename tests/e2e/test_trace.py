@@ -110,9 +110,14 @@ async def test_rest_chat_span_follows_genai_conventions(stack):
     rpc = {(s.kind, s.attributes.get("rpc.service"), s.attributes.get("rpc.method")) for s in trace
            if s.attributes.get("rpc.system") == "grpc"}
     for svc, method in (("splitserve.internal.v1.Decode", "Reserve"),
-                        ("splitserve.internal.v1.Prefill", "Prefill"),
-                        ("splitserve.internal.v1.Decode", "Decode")):
+                        ("splitserve.internal.v1.Prefill", "Prefill")):
         assert {(CLIENT, svc, method), (SERVER, svc, method)} <= rpc, rpc
+    # the token stream rides the replica's long-lived DecodeMany call: the request's own CLIENT
+    # span on the gateway, decode's SERVER span under it
+    (dclient,) = [s for s in trace if s.name == "decode.Decode"]
+    assert dclient.kind == CLIENT and dclient.attributes["rpc.method"] == "DecodeMany"
+    (dserver,) = [s for s in trace if s.name == "decode"]
+    assert dserver.kind == SERVER and dserver.parent_span_id == dclient.span_id
     reserve = next(s for s in trace if s.name == "decode.reserve")
     assert by_id[reserve.parent_span_id].attributes.get("rpc.method") == "Reserve"
 

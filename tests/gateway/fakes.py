@@ -11,12 +11,15 @@ import itertools
 
 import grpc
 
+from decode_svc.many import ManyMixin
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, prefill_pb2, prefill_pb2_grpc
 
 VOCAB = 512
 
 
-class FakeDecode(decode_pb2_grpc.DecodeServicer):
+class FakeDecode(ManyMixin, decode_pb2_grpc.DecodeServicer):
+    """DecodeMany comes from the real service's mixin, on top of this Decode."""
+
     def __init__(self, step_s: float = 0.0, eos: int | None = None):
         self.step_s = step_s
         self.eos = eos

@@ -135,27 +135,26 @@ async def test_services_greedy_over_nixl_equals_colocated():
 @pytest.mark.e2e
 @pytest.mark.slow  # ~15 s idle, ~60 s on a loaded 2-core machine; the services test above covers the path
 def test_splitserve_up_with_nixl_serves_a_request():
-    import socket
+    import re
     import subprocess
     import sys
     import urllib.request
 
     from tests.harness import ROOT, TINY_CPU, UP_PORTS, child_env, splitserve_up
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    args = [*UP_PORTS, *TINY_CPU, *NIXL, "--topology", "split", "--metrics-ports", f"{ports[0]},{ports[1]}"]
+    # NOTE: metrics ports are bound by the services (0 = any free one) and read off the banner:
+    # a port picked free here could be taken before prefill binds it.
+    args = [*UP_PORTS, *TINY_CPU, *NIXL, "--topology", "split"]
     with splitserve_up(args) as up:
         out = subprocess.run([sys.executable, "-m", "splitserve_cli", "generate", "hi", "--server",
                               up.grpc_address, "--max-tokens", "4", "--stats"], cwd=ROOT,
                              env=child_env(), capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "4 completion tokens" in out.stderr, out.stderr
+        m = re.search(r"prefill (http://\S+/metrics)", up.log())
+        assert m, up.log()[-3000:]
         from bench.pd_clients import strip_model_name
 
-        body = urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5).read().decode()
+        body = urllib.request.urlopen(m.group(1), timeout=5).read().decode()
         assert 'splitserve_kv_transfers_total{backend="nixl"} 1.0' in strip_model_name(body), up.log()[-3000:]
 
 

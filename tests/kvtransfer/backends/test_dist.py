@@ -198,7 +198,8 @@ async def test_unreachable_store_is_pair_unavailable(receivers):
         t0 = time.monotonic()
         with pytest.raises(PairUnavailable, match="pair"):
             await s.open(rp.address, "t9", "r9", LAYOUTS["fp32-1"], 16, 5, peer=bad)
-        assert time.monotonic() - t0 < 6
+        # bounded by connect_timeout_s + 5 (torch's store client retries with its own backoff)
+        assert time.monotonic() - t0 < 2 + 5 + 1.5
         assert "failed" in s.unusable(rp.address)
     finally:
         await s.close()

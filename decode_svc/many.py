@@ -1,0 +1,112 @@
+"""DecodeMany: many requests' Decode streams on one call (decode.proto).
+
+Each `start` runs the ordinary Decode handler in its own task, against a per-request view of
+the call's context (its metadata plus the request's trace context; abort() ends that request
+only), and a writer sends whatever all of them produced since its last write as one batch.
+At 64 running requests that is one gRPC message a step instead of 64, on both ends.
+DecodeServicer (decode_svc/servicer.py) inherits it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+
+import grpc
+
+from protos import decode_pb2
+
+log = logging.getLogger("splitserve.decode")
+
+_TRACE_KEYS = ("traceparent", "tracestate", "baggage")
+
+
+class RequestAborted(Exception):
+    """_RequestContext.abort(): the request ends with this status (the call goes on)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _RequestContext:
+    """What Decode reads of its servicer context, for one request of a DecodeMany call."""
+
+    def __init__(self, call_context, trace_context: dict):
+        md = [(k, v) for k, v in (call_context.invocation_metadata() or ()) if k not in _TRACE_KEYS]
+        self._md = tuple(md) + tuple((str(k).lower(), str(v)) for k, v in trace_context.items())
+        self._call = call_context
+
+    def invocation_metadata(self):
+        return self._md
+
+    def peer(self) -> str:
+        return self._call.peer()
+
+    async def abort(self, code, details: str = "", trailing_metadata=()):
+        raise RequestAborted(code, details)
+
+
+class ManyMixin:
+    """Needs Decode (DecodeServicer)."""
+
+    async def DecodeMany(self, request_iterator, context):
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
+        loop = asyncio.get_running_loop()
+
+        async def run_one(req: decode_pb2.DecodeRequest, ctx: _RequestContext) -> None:
+            rid = req.request_id
+            try:
+                async for resp in self.Decode(req, ctx):
+                    out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
+            except RequestAborted as e:
+                out.put_nowait(_error(rid, e.code, e.details))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the call's
+                log.exception("decode of %s failed", rid)
+                out.put_nowait(_error(rid, grpc.StatusCode.INTERNAL, f"decode failed: {e}"))
+            finally:
+                if tasks.get(rid) is asyncio.current_task():
+                    del tasks[rid]
+                out.put_nowait(None)  # wakes the writer: the call may be over
+
+        async def read() -> None:
+            async for m in request_iterator:
+                if m.HasField("start"):
+                    rid = m.start.request_id
+                    if rid in tasks:
+                        out.put_nowait(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                              f"request {rid!r} is already running on this call"))
+                        continue
+                    ctx = _RequestContext(context, dict(m.trace_context))
+                    # NOTE: a fresh contextvars context: its spans continue the request's own
+                    # trace, not the long-lived call's
+                    tasks[rid] = loop.create_task(run_one(m.start, ctx), context=contextvars.Context())
+                elif m.cancel_request_id:
+                    t = tasks.pop(m.cancel_request_id, None)
+                    if t is not None:
+                        t.cancel()  # as a cancelled Decode call: aborts the request
+            out.put_nowait(None)
+
+        reader = loop.create_task(read())
+        try:
+            while True:
+                items = [await out.get()]
+                while not out.empty():
+                    items.append(out.get_nowait())
+                items = [x for x in items if x is not None]
+                if items:
+                    yield decode_pb2.DecodeManyBatch(items=items)
+                if reader.done() and not tasks:
+                    reader.result()  # a broken request stream ends the call with its error
+                    return
+        finally:
+            reader.cancel()
+            for t in list(tasks.values()):
+                t.cancel()
+
+
+def _error(rid: str, code: grpc.StatusCode, details: str) -> decode_pb2.DecodeManyItem:
+    return decode_pb2.DecodeManyItem(request_id=rid, error_code=code.value[0], error_message=details)
