@@ -72,6 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--api", choices=("grpc", "rest"), default="grpc")
     ap.add_argument("--prefill-on-decode", choices=("never", "auto", "always"), default=None,
                     help="the gateway's choice (default: its own, auto)")
+    ap.add_argument("--decode-streams", choices=("many", "per-request"), default=None,
+                    help="the gateway's --decode-streams (default: the gateway's default)")
     ap.add_argument("--topology", choices=("split", "colocated", "auto"), default="split",
                     help="up's topology (split: the disaggregated system this compares; "
                          "auto colocates on CPU)")
@@ -191,6 +193,8 @@ def start_up(a, e, engine_argv: list[str], log_path: str, mports: tuple[int, int
         cmd += ["--kv-transfer-backend", a.kv_backend]
     if a.prefill_on_decode:
         cmd += [f"--gateway-arg=--prefill-on-decode={a.prefill_on_decode}"]
+    if a.decode_streams:
+        cmd += [f"--gateway-arg=--decode-streams={a.decode_streams}"]
     path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
     env = {**os.environ, "PYTHONPATH": path, "OTEL_TRACES_EXPORTER": "none"}
     say("whole system: " + " ".join(cmd[1:]))
@@ -324,7 +328,8 @@ def main(argv=None) -> int:
     add_derived(sysr)
     rows = build_rows(eng, sysr, a)
     print(f"pd_system: {e.model} on {e.device}, {a.api} clients, KV transfer "
-          f"{a.kv_backend or 'default'}, prefill on decode {a.prefill_on_decode or 'default'}; ratio = system / engine "
+          f"{a.kv_backend or 'default'}, prefill on decode {a.prefill_on_decode or 'default'}, "
+          f"decode streams {a.decode_streams or 'default'}; ratio = system / engine "
           f"(TTFT: system / (engine + {TTFT_SLACK_MS:.0f} ms))")
     print_table(rows, COLS)
     for k, v in sorted(sysr.items()):  # where the system's first token went (gateway's account)
