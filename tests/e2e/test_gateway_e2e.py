@@ -154,7 +154,12 @@ async def test_one_trace_across_three_processes(services, stub, receiver):
         services_seen = {s.service for s in sp if s.trace_id == tid}
         kv = [s for s in sp if s.trace_id == tid and ("kv" in s.name.lower() or
                                                      "transfer" in s.name.lower())]
-        return {"splitserve-gateway", "splitserve-prefill", "splitserve-decode"} <= services_seen and kv
+        mine = [s for s in sp if s.trace_id == tid]
+        ids = {s.span_id for s in mine}
+        # NOTE: the three processes export in their own batches: wait for every parent too
+        linked = all(s.parent_span_id in ids for s in mine if s.parent_span_id)
+        return {"splitserve-gateway", "splitserve-prefill", "splitserve-decode"} <= services_seen and kv \
+            and linked
 
     try:
         receiver.wait_for(complete, timeout=10)
