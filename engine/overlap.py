@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.h2d import h2d
 from engine.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.request import Request
 from engine.runner import StepInput
@@ -249,7 +250,7 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         tokens = prev.tokens
     else:
         pos = {id(r): i for i, r in enumerate(prev.sample_reqs)}
-        idx = torch.tensor([pos[id(r)] for r in tok_reqs], dtype=torch.long, device=prev.tokens.device)
+        idx = h2d([pos[id(r)] for r in tok_reqs], torch.long, prev.tokens.device)
         tokens = prev.tokens.index_select(0, idx)
     if not sample:
         batch = None  # earlier chunks only

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.h2d import h2d
 from engine.layers.sampling_batch import SamplingBatch, mix_seed
 from engine.structured import apply_bitmask
 
@@ -132,11 +133,7 @@ class Sampler:
         if len(rows) == b.num_rows:
             sel, tok = raw, tokens
         else:
-            # NOTE: torch.tensor(..., device=cuda) from a list is a blocking copy that waits
-            # for the whole stream; a pinned, non-blocking one keeps the step overlapped
-            ridx = torch.tensor(rows, dtype=torch.long)
-            if raw.is_cuda:
-                ridx = ridx.pin_memory().to(raw.device, non_blocking=True)
+            ridx = h2d(rows, torch.long, raw.device)  # NOTE: keeps the step overlapped
             sel, tok = raw.index_select(0, ridx), tokens.index_select(0, ridx)
         lp = sel.float().log_softmax(dim=-1)
         chosen = lp.gather(1, tok.unsqueeze(1)).squeeze(1)

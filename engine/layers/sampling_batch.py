@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.h2d import h2d
 from engine.request import Request
 
 _MASK64 = (1 << 64) - 1
@@ -108,8 +109,8 @@ class SamplingBatch:
         if not sel:
             return
         dev = self.output_counts.device
-        tok = tokens.index_select(0, torch.tensor([i for i, _ in sel], dtype=torch.long, device=dev))
-        pen = torch.tensor([j for _, j in sel], dtype=torch.long, device=dev)
+        tok = tokens.index_select(0, h2d([i for i, _ in sel], torch.long, dev))
+        pen = h2d([j for _, j in sel], torch.long, dev)
         self.output_counts.index_put_((pen, tok), torch.ones(len(sel), device=dev), accumulate=True)
         self.seen_mask.index_put_((pen, tok), torch.ones(len(sel), dtype=torch.bool, device=dev))
 
@@ -127,15 +128,14 @@ class SamplingBatch:
         n_out = [len(r.output_token_ids) + (ahead[i] if ahead else 0) for i, r in enumerate(reqs)]
 
         def f32(vals):
-            return torch.tensor(vals, dtype=torch.float32, device=dev)
+            return h2d(vals, torch.float32, dev)
 
         greedy = [p.temperature == 0.0 for p in ps]
         all_greedy = all(greedy)
         top_k = top_p = min_p = None
         sampling = [p for p, g in zip(ps, greedy) if not g]
         if any(p.top_k > 0 and p.top_k < V for p in sampling):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps],
-                                 dtype=torch.long, device=dev)
+            top_k = h2d([p.top_k if 0 < p.top_k < V else V for p in ps], torch.long, dev)
         if any(p.top_p < 1.0 for p in sampling):
             top_p = f32([p.top_p for p in ps])
         if any(p.min_p > 0.0 for p in sampling):
@@ -147,7 +147,7 @@ class SamplingBatch:
         pen_rows = rep = pres = freq = seen = counts = None
         if pen:
             P = len(pen)
-            pen_rows = torch.tensor(pen, dtype=torch.long, device=dev)
+            pen_rows = h2d(pen, torch.long, dev)
             rep = f32([ps[i].repetition_penalty for i in pen])
             pres = f32([ps[i].presence_penalty for i in pen])
             freq = f32([ps[i].frequency_penalty for i in pen])
@@ -169,14 +169,14 @@ class SamplingBatch:
                     if 0 <= t < V:
                         ban_r.append(i)
                         ban_t.append(t)
-        ban_rows = torch.tensor(ban_r, dtype=torch.long, device=dev) if ban_r else None
-        ban_tokens = torch.tensor(ban_t, dtype=torch.long, device=dev) if ban_t else None
+        ban_rows = h2d(ban_r, torch.long, dev) if ban_r else None
+        ban_tokens = h2d(ban_t, torch.long, dev) if ban_t else None
         g_rows, g_bits = _grammar_masks(reqs, V, dev, ahead)
 
         return SamplingBatch(
             request_ids=[r.request_id for r in reqs], vocab_size=V, device=dev,
             all_greedy=all_greedy,
-            greedy=None if all_greedy else torch.tensor(greedy, dtype=torch.bool, device=dev),
+            greedy=None if all_greedy else h2d(greedy, torch.bool, dev),
             temperature=None if all_greedy else f32([1.0 if g else p.temperature
                                                      for p, g in zip(ps, greedy)]),
             top_k=top_k, top_p=top_p, min_p=min_p, seeded=seeded,
