@@ -106,3 +106,14 @@ def load_to_pb(stats: dict, **extra) -> common_pb2.LoadStats:
     for k, v in extra.items():
         setattr(msg, k, v)
     return msg
+
+
+def merge_decode_response(into, later) -> None:
+    """Append DecodeResponse `later` to `into` (its tokens, text, logprobs; its finish fields
+    and count): a stream's messages that queued up behind a slow reader leave as one."""
+    into.token_ids.extend(later.token_ids)
+    into.text += later.text
+    into.logprobs.extend(later.logprobs)
+    into.finish_reason = later.finish_reason
+    into.stop_reason = later.stop_reason
+    into.num_generated = later.num_generated

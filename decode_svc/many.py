@@ -14,6 +14,7 @@ import logging
 
 import grpc
 
+from common.convert import merge_decode_response
 from protos import decode_pb2
 
 log = logging.getLogger("splitserve.decode")
@@ -96,7 +97,7 @@ class ManyMixin:
                 items = [await out.get()]
                 while not out.empty():
                     items.append(out.get_nowait())
-                items = [x for x in items if x is not None]
+                items = _merged(items)
                 if items:
                     yield decode_pb2.DecodeManyBatch(items=items)
                 if reader.done() and not tasks:
@@ -106,6 +107,24 @@ class ManyMixin:
             reader.cancel()
             for t in list(tasks.values()):
                 t.cancel()
+
+
+def _merged(items: list) -> list:
+    """The batch: None wake-ups dropped, and one item per request (its messages that queued
+    while the writer waited on a slow reader merged, in order; an error ends its request)."""
+    out: list = []
+    last: dict[str, decode_pb2.DecodeManyItem] = {}
+    for it in items:
+        if it is None:
+            continue
+        prev = last.get(it.request_id)
+        if prev is not None and not prev.error_code and not it.error_code \
+                and not prev.response.finish_reason:
+            merge_decode_response(prev.response, it.response)
+            continue
+        last[it.request_id] = it
+        out.append(it)
+    return out
 
 
 def _error(rid: str, code: grpc.StatusCode, details: str) -> decode_pb2.DecodeManyItem:

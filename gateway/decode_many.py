@@ -13,6 +13,7 @@ import logging
 
 import grpc
 
+from common.convert import merge_decode_response
 from protos import decode_pb2
 
 log = logging.getLogger("splitserve.gateway")
@@ -31,6 +32,7 @@ class ManyStream:
     def __init__(self, session: "_Session", request_id: str):
         self._session, self.request_id = session, request_id
         self._q: asyncio.Queue = asyncio.Queue()
+        self._held = None  # an item taken while merging that ends the stream: handled next
         self._done = False
 
     def _put(self, item) -> None:
@@ -42,16 +44,28 @@ class ManyStream:
     async def __anext__(self) -> decode_pb2.DecodeResponse:
         if self._done:
             raise StopAsyncIteration
-        item = await self._q.get()
+        if self._held is not None:
+            item, self._held = self._held, None
+        else:
+            item = await self._q.get()
         if isinstance(item, grpc.aio.AioRpcError):  # the call broke
             self._done = True
             raise item
         if item.error_code:
             self._end()
             raise rpc_error(_CODES.get(item.error_code, grpc.StatusCode.UNKNOWN), item.error_message)
-        if item.response.finish_reason:
+        resp = item.response
+        # NOTE: what queued up while this request's reader was busy leaves as one message, so a
+        # loaded gateway spends its per-message work (text, metrics, the client's write) once
+        while not resp.finish_reason and not self._q.empty():
+            nxt = self._q.get_nowait()
+            if isinstance(nxt, grpc.aio.AioRpcError) or nxt.error_code:
+                self._held = nxt
+                break
+            merge_decode_response(resp, nxt.response)
+        if resp.finish_reason:
             self._end()
-        return item.response
+        return resp
 
     def done(self) -> bool:
         return self._done

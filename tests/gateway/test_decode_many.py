@@ -163,9 +163,47 @@ async def test_a_step_of_many_requests_comes_as_few_batches(decode):
         for m in reqs:
             yield m
 
-    sizes = [len(b.items) async for b in stub.DecodeMany(gen())]
-    assert sum(sizes) == 16 * 19  # each request's 19 tokens after the first, one item each
-    assert len(sizes) < sum(sizes) / 2 and max(sizes) > 1, sizes
+    batches = [b async for b in stub.DecodeMany(gen())]
+    sizes = [len(b.items) for b in batches]
+    tokens = sum(len(it.response.token_ids) for b in batches for it in b.items)
+    assert tokens == 16 * 19  # each request's 19 tokens after the first
+    assert len(batches) < tokens / 2 and max(sizes) > 1, sizes
+
+
+def test_decode_merges_a_requests_queued_messages_in_one_batch():
+    from decode_svc.many import _error, _merged
+
+    def item(rid, toks, fin=0):
+        return decode_pb2.DecodeManyItem(request_id=rid, response=decode_pb2.DecodeResponse(
+            token_ids=toks, text="".join(chr(97 + t) for t in toks), finish_reason=fin,
+            num_generated=toks[-1]))
+
+    got = _merged([item("a", [1]), None, item("b", [5]), item("a", [2]), item("a", [3], fin=2),
+                   item("b", [6]), _error("b", grpc.StatusCode.INTERNAL, "boom")])
+    assert [(it.request_id, list(it.response.token_ids), it.response.text,
+             it.response.finish_reason, it.response.num_generated, it.error_code) for it in got] == [
+        ("a", [1, 2, 3], "bcd", 2, 3, 0), ("b", [5, 6], "fg", 0, 6, 0),
+        ("b", [], "", 0, 0, grpc.StatusCode.INTERNAL.value[0])]
+
+
+async def test_gateway_merges_what_queued_behind_a_busy_reader_and_keeps_the_error_last():
+    from gateway.decode_many import ManyStream
+
+    class Session:
+        def forget(self, s):
+            pass
+
+    s = ManyStream(Session(), "r")
+    for toks in ([1], [2], [3]):
+        s._put(decode_pb2.DecodeManyItem(request_id="r", response=decode_pb2.DecodeResponse(
+            token_ids=toks, num_generated=toks[0])))
+    s._put(decode_pb2.DecodeManyItem(request_id="r", error_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                     error_message="gone"))
+    first = await s.__anext__()
+    assert list(first.token_ids) == [1, 2, 3] and first.num_generated == 3
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await s.__anext__()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and s.done()
 
 
 def test_request_context_carries_the_requests_trace_not_the_calls():
