@@ -73,20 +73,23 @@ class ManyMixin:
                     del tasks[rid]
                 out.put_nowait(None)  # wakes the writer: the call may be over
 
+        def start(st: decode_pb2.DecodeManyStart) -> None:
+            rid = st.request.request_id
+            if rid in tasks:
+                out.put_nowait(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"request {rid!r} is already running on this call"))
+                return
+            ctx = _RequestContext(context, dict(st.trace_context))
+            # NOTE: a fresh contextvars context: its spans continue the request's own trace,
+            # not the long-lived call's
+            tasks[rid] = loop.create_task(run_one(st.request, ctx), context=contextvars.Context())
+
         async def read() -> None:
             async for m in request_iterator:
-                if m.HasField("start"):
-                    rid = m.start.request_id
-                    if rid in tasks:
-                        out.put_nowait(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
-                                              f"request {rid!r} is already running on this call"))
-                        continue
-                    ctx = _RequestContext(context, dict(m.trace_context))
-                    # NOTE: a fresh contextvars context: its spans continue the request's own
-                    # trace, not the long-lived call's
-                    tasks[rid] = loop.create_task(run_one(m.start, ctx), context=contextvars.Context())
-                elif m.cancel_request_id:
-                    t = tasks.pop(m.cancel_request_id, None)
+                for st in m.starts:
+                    start(st)
+                for rid in m.cancel_request_ids:
+                    t = tasks.pop(rid, None)
                     if t is not None:
                         t.cancel()  # as a cancelled Decode call: aborts the request
             out.put_nowait(None)

@@ -74,7 +74,7 @@ class ManyStream:
         """Stop the request on decode (as cancelling its Decode call would). Idempotent."""
         if not self._done:
             self._end()
-            self._session.send(decode_pb2.DecodeManyRequest(cancel_request_id=self.request_id))
+            self._session.cancel(self.request_id)
 
     def _end(self) -> None:
         self._done = True
@@ -94,15 +94,29 @@ class _Session:
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _requests(self):
+        """What was queued since the last write, as one message: a burst of arrivals reaches
+        decode together (a write each would space them by a write's round trip)."""
         while True:
-            m = await self._out.get()
-            if m is None:
-                return
+            ops = [await self._out.get()]
+            while not self._out.empty():
+                ops.append(self._out.get_nowait())
+            m = decode_pb2.DecodeManyRequest()
+            for op in ops:
+                if op is None:
+                    return
+                if isinstance(op, str):
+                    m.cancel_request_ids.append(op)
+                else:
+                    m.starts.append(op)
             yield m
 
-    def send(self, m: decode_pb2.DecodeManyRequest) -> None:
+    def start(self, st: decode_pb2.DecodeManyStart) -> None:
         if not self.broken:
-            self._out.put_nowait(m)
+            self._out.put_nowait(st)
+
+    def cancel(self, request_id: str) -> None:
+        if not self.broken:
+            self._out.put_nowait(request_id)
 
     def forget(self, s: ManyStream) -> None:
         if self.streams.get(s.request_id) is s:
@@ -152,7 +166,7 @@ class DecodeMany:
         if old is not None:  # NOTE: request ids are unique per gateway; a duplicate is a bug
             raise ValueError(f"request {request.request_id!r} already has a decode stream")
         s.streams[request.request_id] = stream
-        s.send(decode_pb2.DecodeManyRequest(start=request, trace_context=trace_context or {}))
+        s.start(decode_pb2.DecodeManyStart(request=request, trace_context=trace_context or {}))
         return stream
 
     def close(self) -> None:

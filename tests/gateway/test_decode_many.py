@@ -125,8 +125,8 @@ async def test_a_duplicate_start_on_one_call_is_refused(decode):
 
     call = stub.DecodeMany(reqs())
     r = _req(fd, "dup", 0, 10_000)
-    q.put_nowait(decode_pb2.DecodeManyRequest(start=r))
-    q.put_nowait(decode_pb2.DecodeManyRequest(start=r))
+    q.put_nowait(decode_pb2.DecodeManyRequest(starts=[decode_pb2.DecodeManyStart(request=r)]))
+    q.put_nowait(decode_pb2.DecodeManyRequest(starts=[decode_pb2.DecodeManyStart(request=r)]))
     seen_error = None
     async for batch in call:
         for it in batch.items:
@@ -136,7 +136,7 @@ async def test_a_duplicate_start_on_one_call_is_refused(decode):
             break
     assert seen_error.request_id == "dup"
     assert seen_error.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    q.put_nowait(decode_pb2.DecodeManyRequest(cancel_request_id="dup"))
+    q.put_nowait(decode_pb2.DecodeManyRequest(cancel_request_ids=["dup"]))
     q.put_nowait(None)  # half-close: the call ends once its requests have
     async for _ in call:
         pass
@@ -157,7 +157,11 @@ async def test_gateway_streams_through_decode_many_and_per_request(stack):
 
 async def test_a_step_of_many_requests_comes_as_few_batches(decode):
     fd, stub, _ = decode
-    reqs = [decode_pb2.DecodeManyRequest(start=_req(fd, f"b{i}", i, 20)) for i in range(16)]
+    # half in one message, the rest one a message
+    reqs = [decode_pb2.DecodeManyRequest(starts=[decode_pb2.DecodeManyStart(request=_req(fd, f"b{i}", i, 20))
+                                                 for i in range(8)])]
+    reqs += [decode_pb2.DecodeManyRequest(starts=[decode_pb2.DecodeManyStart(request=_req(fd, f"b{i}", i, 20))])
+             for i in range(8, 16)]
 
     async def gen():
         for m in reqs:
@@ -221,3 +225,38 @@ def test_request_context_carries_the_requests_trace_not_the_calls():
                                                "traceparent": "00-request-span-01"}
     with pytest.raises(RequestAborted):
         asyncio.run(ctx.abort(grpc.StatusCode.NOT_FOUND, "gone"))
+
+
+async def test_a_burst_of_starts_and_cancels_leaves_in_one_message():
+    from gateway.decode_many import _Session
+
+    sent: list = []
+
+    class Stub:
+        def DecodeMany(self, requests):  # noqa: N802 - the stub's method name
+            async def pump():
+                async for m in requests:
+                    sent.append(m)
+            t = asyncio.get_running_loop().create_task(pump())
+
+            class Call:
+                def __aiter__(self):
+                    return self
+
+                async def __anext__(self):
+                    await t
+                    raise StopAsyncIteration
+
+                def cancel(self):
+                    t.cancel()
+            return Call()
+
+    s = _Session(Stub(), "x:1")
+    for i in range(5):
+        s.start(decode_pb2.DecodeManyStart(request=decode_pb2.DecodeRequest(request_id=f"r{i}")))
+    s.cancel("r1")
+    await asyncio.sleep(0.01)
+    assert len(sent) == 1
+    assert [st.request.request_id for st in sent[0].starts] == [f"r{i}" for i in range(5)]
+    assert list(sent[0].cancel_request_ids) == ["r1"]
+    s.close()
