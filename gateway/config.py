@@ -126,7 +126,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    default=env_str("SPLITSERVE_DECODE_STREAMS", "many"),
                    help="how token streams come from decode: many (default: one DecodeMany call "
                         "per decode replica, one message a step for all its requests) or "
-                        "per-request (one Decode call each; for decode replicas without DecodeMany)")
+                        "per-request (one Decode call each; a decode replica without DecodeMany gets "
+                        "that by itself)")
     p.add_argument("--drain-timeout-s", type=float, default=env_float("SPLITSERVE_DRAIN_TIMEOUT_S", 30.0),
                    help="on SIGTERM / SIGINT: refuse new requests, let running ones finish for up "
                         "to this long, then exit")

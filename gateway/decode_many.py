@@ -4,7 +4,9 @@ request's decode stream, so a step of 64 requests reaches the gateway as one mes
 DecodeMany.open() starts a request and returns a ManyStream, which reads like the per-request
 Decode call it replaces: async iteration over DecodeResponses, grpc.aio.AioRpcError on an
 error, cancel() / done(). A broken call fails every request on it with the call's status
-(UNAVAILABLE when the replica went away); the next open() starts a new call.
+(UNAVAILABLE when the replica went away); the next open() starts a new call. A replica that
+answers UNIMPLEMENTED (a version without DecodeMany) gets a Decode call per request from then on,
+the requests that met it included.
 """
 from __future__ import annotations
 
@@ -29,11 +31,14 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class ManyStream:
     """One request's decode stream on a DecodeMany call."""
 
-    def __init__(self, session: "_Session", request_id: str):
+    def __init__(self, session: "_Session", request_id: str, fallback=None):
         self._session, self.request_id = session, request_id
         self._q: asyncio.Queue = asyncio.Queue()
         self._held = None  # an item taken while merging that ends the stream: handled next
         self._done = False
+        self._fallback = fallback  # () -> the request's own Decode call, if DecodeMany is unknown
+        self._own = self._call = None  # that call and its iterator, once taken
+        self._started = False  # a message came: too late to fall back
 
     def _put(self, item) -> None:
         self._q.put_nowait(item)
@@ -42,6 +47,8 @@ class ManyStream:
         return self
 
     async def __anext__(self) -> decode_pb2.DecodeResponse:
+        if self._call is not None:
+            return await self._call.__anext__()
         if self._done:
             raise StopAsyncIteration
         if self._held is not None:
@@ -50,7 +57,14 @@ class ManyStream:
             item = await self._q.get()
         if isinstance(item, grpc.aio.AioRpcError):  # the call broke
             self._done = True
+            if (item.code() == grpc.StatusCode.UNIMPLEMENTED and not self._started
+                    and self._fallback is not None):
+                # a decode replica without DecodeMany (an older version): its own Decode call
+                self._own = self._fallback()
+                self._call = self._own.__aiter__()
+                return await self._call.__anext__()
             raise item
+        self._started = True
         if item.error_code:
             self._end()
             raise rpc_error(_CODES.get(item.error_code, grpc.StatusCode.UNKNOWN), item.error_message)
@@ -68,11 +82,13 @@ class ManyStream:
         return resp
 
     def done(self) -> bool:
-        return self._done
+        return self._done if self._own is None else self._own.done()
 
     def cancel(self) -> None:
         """Stop the request on decode (as cancelling its Decode call would). Idempotent."""
-        if not self._done:
+        if self._own is not None:
+            self._own.cancel()
+        elif not self._done:
             self._end()
             self._session.cancel(self.request_id)
 
@@ -156,12 +172,25 @@ class DecodeMany:
     def __init__(self, stub, address: str):
         self._stub, self.address = stub, address
         self._session: _Session | None = None
+        self.unsupported = False  # the replica answered UNIMPLEMENTED: a Decode call per request
 
-    def open(self, request: decode_pb2.DecodeRequest, trace_context: dict | None = None) -> ManyStream:
+    def open(self, request: decode_pb2.DecodeRequest, trace_context: dict | None = None):
+        """-> a ManyStream (or, on a replica without DecodeMany, the request's own Decode call)."""
+        md = tuple((trace_context or {}).items())
+
+        def own_call():
+            if not self.unsupported:
+                log.warning("decode replica %s has no DecodeMany: a Decode call per request",
+                            self.address)
+            self.unsupported = True
+            return self._stub.Decode(request, metadata=md)
+
+        if self.unsupported:
+            return own_call()
         s = self._session
         if s is None or s.broken:
             s = self._session = _Session(self._stub, self.address)
-        stream = ManyStream(s, request.request_id)
+        stream = ManyStream(s, request.request_id, own_call)
         old = s.streams.get(request.request_id)
         if old is not None:  # NOTE: request ids are unique per gateway; a duplicate is a bug
             raise ValueError(f"request {request.request_id!r} already has a decode stream")

@@ -260,3 +260,32 @@ async def test_a_burst_of_starts_and_cancels_leaves_in_one_message():
     assert [st.request.request_id for st in sent[0].starts] == [f"r{i}" for i in range(5)]
     assert list(sent[0].cancel_request_ids) == ["r1"]
     s.close()
+
+
+async def test_a_replica_without_decode_many_gets_a_call_per_request():
+    class OldDecode(FakeDecode):
+        DecodeMany = decode_pb2_grpc.DecodeServicer.DecodeMany  # an older version's: UNIMPLEMENTED
+
+    fd = OldDecode(step_s=0.001)
+    srv, addr = await start_server(fd)
+    ch = grpc.aio.insecure_channel(addr)
+    try:
+        many = DecodeMany(decode_pb2_grpc.DecodeStub(ch), addr)
+        first = [many.open(_req(fd, f"o{i}", i, 5)) for i in range(3)]  # met the UNIMPLEMENTED
+        assert await asyncio.gather(*(_collect(s) for s in first)) == [
+            [i + k for k in range(1, 5)] for i in range(3)]
+        assert many.unsupported
+        later = many.open(_req(fd, "later", 10, 4))
+        assert not isinstance(later, type(first[0]))  # its own Decode call from the start
+        assert await _collect(later) == [11, 12, 13]
+        s = many.open(_req(fd, "cut", 0, 10_000))
+        await s.__aiter__().__anext__()
+        s.cancel()
+        for _ in range(200):
+            if "t-cut" in fd.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert "t-cut" in fd.cancelled
+    finally:
+        await ch.close()
+        await srv.stop(None)
