@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from engine.h2d import h2d
+
 log = logging.getLogger("splitserve.engine.graphs")
 
 # NOTE: these names are exported in Engine.stats() and read by common/metrics.py; keep them.
@@ -41,7 +43,7 @@ def put_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, positions: list[in
     if positions is None:
         input_ids[:tokens.shape[0]].copy_(tokens, non_blocking=True)
     else:
-        idx = torch.tensor(positions, dtype=torch.long).to(input_ids.device, non_blocking=True)
+        idx = h2d(positions, torch.long, input_ids.device)
         input_ids.index_copy_(0, idx, tokens)
 
 

@@ -10,6 +10,7 @@ def h2d(values, dtype: torch.dtype, device) -> torch.Tensor:
     already queued (an overlapped step's included). Staged in pinned memory, the copy is queued
     behind them instead; torch's pinned-memory cache keeps the buffer until the copy ran."""
     t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t if torch.device(device).type == "cpu" else t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if kind == "cpu" else t.to(device)

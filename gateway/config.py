@@ -178,5 +178,5 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s,
                                   headroom_quantile=a.slo_attainment),
-        prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams, log_level=a.log_level, ready_file=a.ready_file,
-        drain_timeout_s=a.drain_timeout_s)
+        prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams,
+        log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s)

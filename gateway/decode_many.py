@@ -1,8 +1,8 @@
 """The gateway's end of DecodeMany (decode.proto): one call per decode replica carries every
 request's decode stream, so a step of 64 requests reaches the gateway as one message.
 
-DecodeMany.open() starts a request and returns a ManyStream, which reads like the per-request
-Decode call it replaces: async iteration over DecodeResponses, grpc.aio.AioRpcError on an
+DecodeMany.open() starts a request and returns a ManyStream, which reads like a per-request
+Decode call: async iteration over DecodeResponses, grpc.aio.AioRpcError on an
 error, cancel() / done(). A broken call fails every request on it with the call's status
 (UNAVAILABLE when the replica went away); the next open() starts a new call. A replica that
 answers UNIMPLEMENTED (a version without DecodeMany) gets a Decode call per request from then on,
