@@ -16,8 +16,11 @@ batch): corrected = offset + factor * raw, the offset (TTFT) learned with nothin
 the factor bounded to [1/2, 2], so the correction can never turn into a constant. Decisions use
 the corrected estimate times a headroom (the `--slo-attainment` quantile, 0.95 by default, of
 the bucket's recent observed / estimated ratios, >= 1) so admitted requests meet their SLO, not
-just half of them; a nearly idle replica gets none: it covers queueing error, and a request that meets its SLO with no
-queue must not be turned away at low load.
+just half of them; a nearly idle replica gets none: it covers queueing error, and a request
+that meets its SLO with no queue must not be turned away at low load. The ratios come back only
+as requests finish and cover only what the models see; an `AttainmentGuard` per SLO closes the
+loop on the outcome itself (met or missed), scaling the loaded predictions until the admitted
+requests' miss rate is what `--slo-attainment` allows.
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
 at all means "admit whenever there is room"):
@@ -28,7 +31,8 @@ at all means "admit whenever there is room"):
     otherwise (busy now, could fit later)       -> queue; re-decided on every load change, in
                                                    priority order, until the queue deadline
                                                    (arrival + SLO - idle TTFT), then reject.
-Decode KV full (no free blocks) always queues: no room means no prefill.
+Decode full (no free KV blocks, or its batch at its sequence cap) always queues: no room means
+no prefill.
 
 Why TTFT lateness is rejected at once: a backlog drains at the rate the clock runs, so a
 request predicted late now is predicted just as late after any wait (both sides of
@@ -43,7 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.calibration import Calibrator, OnlineLinear, RobustLinear
+from gateway.calibration import AttainmentGuard, Calibrator, OnlineLinear, RobustLinear
 
 YOUNG_FIT = 8  # prefill samples before the fit alone predicts (see observe_prefill)
 
@@ -62,6 +66,7 @@ class LoadView:
     device_id: str = ""     # LoadStats.device_id: equal on replicas sharing a device
     inflight_tokens: int = 0  # tokens the gateway has sent there and not seen finish
     inflight_requests: int = 0
+    max_num_seqs: int | None = None  # decode: the batch's sequence cap (None: not reported)
 
 
 
@@ -86,6 +91,10 @@ class AdmissionConfig:
     # is right on average does not admit the requests it is too low for
     headroom_quantile: float | None = 0.95
     calibration_min_samples: int = 16
+    # closed loop on top (AttainmentGuard): the admitted requests' measured misses scale the
+    # loaded predictions until half the miss rate the quantile allows remains (the gateway
+    # measures a little less delay than its clients do)
+    guard: bool = True
 
     def __post_init__(self):
         for k in ("prefill_tokens_per_s", "decode_step_ms"):
@@ -146,6 +155,9 @@ class Predictor:
         self.ttft_cal = Calibrator(additive=True)
         # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
         self.tpot_cal = Calibrator(additive=False)
+        q = cfg.headroom_quantile
+        target = (1.0 + q) / 2 if q is not None else 0.975
+        self.ttft_guard, self.tpot_guard = AttainmentGuard(target), AttainmentGuard(target)
 
     # ---- observations
     def observe_prefill(self, num_tokens: int, prefill_ms: float, transfer_ms: float | None = None):
@@ -245,7 +257,12 @@ class Predictor:
         tpot, idle_tpot = self.tpot_ms(decode, joining)
         if here:
             ttft, idle_ttft = ttft + tpot, idle_ttft + idle_tpot
-        full = decode.num_free_blocks == 0 or decode.kv_usage >= 0.999
+        # NOTE: a batch at its sequence cap is full like a KV cache without blocks: a request
+        # admitted past it waits in decode for a slot after its first token, and that wait
+        # (seconds at 2x overload) lands in its TPOT, which no step-time model predicts
+        full = (decode.num_free_blocks == 0 or decode.kv_usage >= 0.999
+                or (decode.max_num_seqs is not None
+                    and self.decode_batch(decode, joining) > decode.max_num_seqs))
         bt = self.ttft_bucket(prefill, num_tokens, cached_tokens)
         bp = self.tpot_bucket(self.decode_batch(decode, joining))
         if not self.cfg.calibrate:
@@ -257,6 +274,9 @@ class Predictor:
         # NOTE: no headroom when nearly idle (work ahead <= the prompt's own; batch <= 2)
         ht = tc.headroom(q, bt) if bt >= 2 else 1.0
         hp = pc.headroom(q, bp) if bp >= 1 else 1.0
+        if self.cfg.guard:  # not when nearly idle either: it answers to queueing and batching
+            ht *= self.ttft_guard.factor if bt >= 1 else 1.0
+            hp *= self.tpot_guard.factor if bp >= 1 else 1.0
         # NOTE: idle estimates only reject: the more optimistic of model and correction, so a
         # stale correction cannot turn requests away at low load
         return Prediction(et * ht, ep * hp, min(idle_ttft, tc.correct(idle_ttft, 0)),
@@ -269,6 +289,14 @@ class Predictor:
         if self.ttft_cal.samples < self.cfg.calibration_min_samples:
             return None
         return self.cfg.early_reject_slack
+
+    def observe_slo(self, ttft_ms: float | None, ttft_slo_ms: float | None,
+                    tpot_ms: float | None = None, tpot_slo_ms: float | None = None) -> None:
+        """An admitted request's TTFT (from its arrival) or TPOT against its SLO: the guards."""
+        if ttft_ms is not None and ttft_slo_ms is not None:
+            self.ttft_guard.observe(ttft_ms, ttft_slo_ms)
+        if tpot_ms is not None and tpot_slo_ms is not None:
+            self.tpot_guard.observe(tpot_ms, tpot_slo_ms)
 
     def observe_outcome(self, pred: Prediction, ttft_ms: float | None,
                         tpot_ms: float | None) -> tuple[float | None, float | None]:
@@ -304,9 +332,9 @@ def decide(pred: Prediction, ttft_slo_ms: float | None, tpot_slo_ms: float | Non
     retry = max(pred.ttft_ms - pred.idle_ttft_ms, 100.0) / 1e3
     if pred.decode_full:
         if waited_ms >= budget:
-            return Decision("reject", f"decode KV cache full for {waited_ms:.0f} ms (queue budget "
+            return Decision("reject", f"decode full (KV blocks or batch slots) for {waited_ms:.0f} ms (queue budget "
                             f"{budget:.0f} ms)", pred, retry_after_s=retry)
-        return Decision("queue", "decode KV cache full", pred, retry_after_s=retry)
+        return Decision("queue", "decode full (KV blocks or batch slots)", pred, retry_after_s=retry)
     late_ttft = ttft_slo_ms is not None and pred.ttft_ms > ttft_slo_ms - waited_ms
     late_tpot = tpot_slo_ms is not None and pred.tpot_ms > tpot_slo_ms
     if not late_ttft and not late_tpot:

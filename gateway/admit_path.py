@@ -130,6 +130,17 @@ class AdmitPath:
                 route.prefill.add_inflight(route.inflight)
             return d
 
+    def _observe_slo(self, req: GenRequest, route: Route, ttft_ms: float | None = None,
+                     tpot_ms: float | None = None) -> None:
+        """An admitted request's TTFT (from arrival) / TPOT against its SLOs: the guards."""
+        if route.prediction is None:
+            return
+        ttft_slo, tpot_slo = self._slos(req)
+        p = self.predictor
+        p.observe_slo(ttft_ms, ttft_slo, tpot_ms, tpot_slo)
+        for what, g in (("ttft", p.ttft_guard), ("tpot", p.tpot_guard)):
+            self.metrics.prediction_correction.labels(what=what, term="guard").set(g.factor)
+
     def _observe_outcome(self, req: GenRequest, route: Route, ttft_ms: float | None,
                          tpot_ms: float | None) -> None:
         """One admitted request's prediction against what it got: calibration + metrics."""

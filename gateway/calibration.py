@@ -198,3 +198,33 @@ class Calibrator:
         xs = sorted(self.errors)
         n = len(xs)
         return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+class AttainmentGuard:
+    """Closed-loop control of one SLO's attainment among admitted requests: a factor g >= 1
+    that multiplies the prediction admission decides on. Each admitted request's outcome moves
+    log g by `step * (missed - (1 - target))`: up `step * target` for a miss, down
+    `step * (1 - target)` for a hit, so g settles where the miss rate is 1 - target, whatever
+    the models leave out (a shared GPU's prefill slowing decode steps, requests admitted later
+    joining a batch). Bounded to [1, max_factor]; at low load every outcome is a hit and g
+    decays to 1."""
+
+    def __init__(self, target: float = 0.975, step: float = 0.05, max_factor: float = 4.0):
+        if not 0.5 <= target < 1.0:
+            raise ValueError(f"attainment target must be in [0.5, 1), got {target}")
+        self.target, self.step, self.max_factor = target, step, max_factor
+        self._log_g = 0.0
+        self.samples = self.misses = 0
+
+    def observe(self, observed_ms: float, slo_ms: float) -> None:
+        if not (slo_ms > 0 and observed_ms >= 0):
+            return
+        missed = observed_ms > slo_ms
+        self._log_g += self.step * (missed - (1.0 - self.target))
+        self._log_g = min(max(self._log_g, 0.0), math.log(self.max_factor))
+        self.samples += 1
+        self.misses += missed
+
+    @property
+    def factor(self) -> float:
+        return math.exp(self._log_g)

@@ -115,6 +115,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-attainment", type=float, default=0.95,
                    help="share of admitted requests admission budgets to meet their SLO: the "
                    "quantile of recent observed / predicted ratios added as headroom")
+    p.add_argument("--admission-guard", choices=("on", "off"),
+                   default=env_str("SPLITSERVE_ADMISSION_GUARD", "on"),
+                   help="closed loop on the admitted requests' measured SLO misses: scales "
+                        "admission's loaded predictions until the miss rate is what "
+                        "--slo-attainment allows (off: models, calibration and headroom alone)")
     p.add_argument("--log-level", default=None)
     p.add_argument("--prefill-on-decode", choices=PREFILL_ON_DECODE,
                    default=env_str("SPLITSERVE_PREFILL_ON_DECODE", "never"),
@@ -177,6 +182,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         admission=AdmissionConfig(default_ttft_ms=a.default_ttft_ms, default_tpot_ms=a.default_tpot_ms,
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s,
-                                  headroom_quantile=a.slo_attainment),
+                                  headroom_quantile=a.slo_attainment,
+                                  guard=a.admission_guard == "on"),
         prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams,
         log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s)

@@ -227,6 +227,7 @@ class GatewayCore(AdmitPath, Downstream):
             ttft_ms = (t_first - req.arrival) * 1e3
             got_ms = (t_first - route.t_decided) * 1e3
             self._observe_outcome(req, route, got_ms, None)
+            self._observe_slo(req, route, ttft_ms=ttft_ms)
             if pre is None and route.alone and route.prediction is not None:
                 # prefilled here with nothing of ours ahead: the here fit's sample
                 pr = route.prediction
@@ -249,6 +250,7 @@ class GatewayCore(AdmitPath, Downstream):
             tpot = (now - t_first) / (n_gen - 1) if n_gen > 1 and t_first is not None else None
             if tpot is not None:
                 self._observe_outcome(req, route, None, tpot * 1e3)
+                self._observe_slo(req, route, tpot_ms=tpot * 1e3)
                 self.metrics.tpot.observe(tpot)
             self.metrics.e2e.observe(total_ms / 1e3)
             self.metrics.prompt_tokens.inc(n_prompt)

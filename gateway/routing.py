@@ -116,7 +116,8 @@ def load_view_from_pb(pb, keep: LoadView | None = None) -> LoadView:
                  num_free_blocks=int(pb.num_free_blocks) if pb.num_total_blocks else None,
                  num_total_blocks=int(pb.num_total_blocks) or None,
                  mean_step_ms=float(pb.mean_step_ms) or None,
-                 tokens_per_s=float(pb.tokens_per_s) or None, device_id=pb.device_id)
+                 tokens_per_s=float(pb.tokens_per_s) or None, device_id=pb.device_id,
+                 max_num_seqs=int(pb.max_num_seqs) or None)
     if keep is not None:
         v.inflight_tokens, v.inflight_requests = keep.inflight_tokens, keep.inflight_requests
     return v

@@ -74,7 +74,7 @@ def test_decide_admit_queue_reject():
 def test_decide_decode_full_queues_then_rejects():
     assert decide(pred(10, 10, full=True), None, None, 0, 1000).kind == "queue"
     d = decide(pred(10, 10, full=True), None, None, 1500, 1000)
-    assert d.kind == "reject" and "KV cache full" in d.reason
+    assert d.kind == "reject" and "decode full" in d.reason
 
 
 async def test_queue_admits_when_load_drops_and_respects_priority():

@@ -191,9 +191,9 @@ async def test_queue_orders_by_deadline_within_a_priority_and_expires_behind_the
     await asyncio.sleep(0.02)
     soon = asyncio.create_task(q.run(fn_for("soon"), 0, poll_s=0.01, deadline=now + 1))
     expiring = asyncio.create_task(q.run(fn_for("expiring", expire_ms=30), 0, poll_s=0.01,
-                                         deadline=now + 5))
+                                         deadline=now + 5, idle_poll_s=0.02))
     await asyncio.sleep(0.1)
-    # not at the head, yet its deadline passed: rejected where it stood
+    # not at the head, yet its budget passed: rejected where it stood on its next idle poll
     assert expiring.done() and (await expiring).kind == "reject" and len(q) == 2
     state["busy"] = False
     q.notify()

@@ -49,6 +49,13 @@ def _idle(stack, timeout_s: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+def test_decode_load_reports_its_sequence_cap(stack):
+    """Admission's batch-slot check reads the decode engine's max_num_seqs off Load."""
+    with grpc.insecure_channel(stack.decodes[0].address) as dc:
+        dl = decode_pb2_grpc.DecodeStub(dc).Load(common_pb2.LoadRequest(), timeout=5)
+    assert dl.max_num_seqs == 128  # --max-num-seqs' default
+
+
 REST_CASES = [  # (path, body bytes or JSON, headers, status, param)
     ("/v1/completions", {**COMP, "max_tokens": 10 ** 12}, JSON, 400, "max_tokens"),
     ("/v1/completions", {**COMP, "max_tokens": U32}, JSON, 400, "max_tokens"),
