@@ -105,6 +105,13 @@ def summarize(outs: list[Outcome], wall_s: float, ttft_ms: float | None = None,
     for w in ("ttft", "tpot"):
         s[f"{w}_prediction_ape_median"] = pct(ape[w], 50)
         s[f"{w}_prediction_ape_p90"] = pct(ape[w], 90)
+    # steady load: requests sent after the first quarter of the arrivals (the models and their
+    # calibration start each run from what the previous load taught them)
+    t0 = min((o.t_send for o in outs), default=0.0)
+    t_last = max((o.t_send for o in outs), default=0.0)
+    steady = prediction_errors([o for o in ok if o.t_send >= t0 + 0.25 * (t_last - t0)])
+    for w in ("ttft", "tpot"):
+        s[f"{w}_prediction_ape_median_steady"] = pct(steady[w], 50)
     qs = [o.queue_ms for o in ok if o.queue_ms is not None]
     s["gateway_queue_ms_p50"] = pct(qs, 50)
     errs: dict[str, int] = {}

@@ -67,20 +67,22 @@ def rows(doc: dict, phase: str) -> list[dict]:
                         tpot_p50=s["tpot_ms_p50"], tpot_p99=s["tpot_ms_p99"],
                         ttft_ape=g.get("ttft_prediction_abs_error_median"),
                         ttft_ape_req=s.get("ttft_prediction_ape_median"),  # per-request rows
+                        ttft_ape_steady=s.get("ttft_prediction_ape_median_steady"),
                         tpot_ape=g.get("tpot_prediction_abs_error_median")))
     return out
 
 
 def table(rs: list[dict]) -> None:
     hdr = ("phase", "label", "rate", "goodput", "thr", "tok/s", "att_adm", "rej", "err", "n",
-           "ttft50", "ttft99", "tpot50", "tpot99", "ttftAPE", "ttftAPE_req")
+           "ttft50", "ttft99", "tpot50", "tpot99", "ttftAPE", "ttftAPE_req", "ttftAPE_steady")
     print(" | ".join(hdr))
     for r in rs:
         f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         print(" | ".join([r["phase"], r["label"], f(r["rate"], 2), f(r["goodput"], 2), f(r["thr"], 2),
                           f(r["tok_s"], 0), f(r["att"], 3), str(r["rej"]), str(r["err"]), str(r["n"]),
                           f(r["ttft_p50"]), f(r["ttft_p99"]), f(r["tpot_p50"]), f(r["tpot_p99"]),
-                          f(r["ttft_ape"], 3), f(r["ttft_ape_req"], 3)]), flush=True)
+                          f(r["ttft_ape"], 3), f(r["ttft_ape_req"], 3),
+                          f(r.get("ttft_ape_steady"), 3)]), flush=True)
 
 
 def replot(paths: list[str]) -> None:

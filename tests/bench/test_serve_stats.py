@@ -112,3 +112,15 @@ def test_gateway_delta_from_metrics():
     assert g["ttft_prediction_abs_error_median"] == 0.12 and g["tpot_observed_over_predicted_mean"] is None
     assert g["routed_prefix_hit_rate"] == 0.64
     assert serve.gateway_delta({}, {}) == {}
+
+
+def test_steady_prediction_error_leaves_out_the_first_quarter_of_arrivals():
+    """The cold start (models learning the new load) counts in the overall median only."""
+    outs = []
+    for i in range(8):  # sent at 0..7 s; predicted 100 ms each; the first two got 400 ms
+        o = ok(i, float(i), float(i) + 0.1, 0.05, 3)
+        o.pred_ttft_ms, o.gw_ttft_ms = 100.0, 400.0 if i < 2 else 110.0
+        outs.append(o)
+    s = summarize(outs, 8.0)
+    steady = s["ttft_prediction_ape_median_steady"]
+    assert steady == pytest.approx(10 / 110) and s["ttft_prediction_ape_median"] >= steady
