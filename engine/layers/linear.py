@@ -23,8 +23,12 @@ class Linear(torch.nn.Module):
                      if bias else None)
         # CPU fp32: oneDNN's prepacked copy of weight for inputs of 2+ rows (engine/cpu_matmul.py)
         self.packed: torch.Tensor | None = None
+        # CPU fp32: the one-row matmul measured fastest for this shape (engine/cpu_gemv.py)
+        self.row1 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row1 is not None and x.shape[0] == 1:
+            return self.row1(x)
         if self.packed is not None and x.shape[0] > 1:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

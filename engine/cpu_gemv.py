@@ -1,0 +1,103 @@
+"""One-row fp32 matmuls on CPU (a single decode stream), chosen by measurement at load.
+
+At one row a matmul is a GEMV bound by streaming its weight, and which library streams a shape
+fastest depends on the CPU: on a 2-core AMD EPYC VM torch's sgemv (MKL) read SmolLM2's weights
+at 11-22 GB/s where oneDNN's packed copy read them at 21-36 (memory copies: 32 GB/s); on a
+2-core Xeon the packed copy was the slower one at one row (lab/notes/cpu_serving.md). So for
+each distinct weight shape both run over that shape's weights (more bytes than the caches
+hold: streamed, as in a step), and the faster serves its one-row calls:
+    torch    F.linear on the weight as laid out ([in, out] storage under cpu_weight_layout)
+    packed   oneDNN's packed copy (when cpu_packed_matmul made one)
+`python -m bench.cpu_gemv` prints the candidates' GB/s per shape.
+NOTE: both run on torch's OpenMP threads. numpy's OpenBLAS streamed faster still in isolation,
+but its worker threads spin beside torch's between calls: on 2 cores a decode step took 8x
+longer, so a second thread pool is never mixed into the step.
+Results differ from F.linear's by fp32 rounding (summation order), as on the 2+ row path.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import Linear, packed_linear
+
+log = logging.getLogger("splitserve.engine.cpu_gemv")
+
+
+def _torch(w: torch.Tensor, bias):
+    return lambda x: F.linear(x, w, bias)
+
+
+def _packed(packed: torch.Tensor, bias):
+    return lambda x: packed_linear(x, packed, bias)
+
+
+def candidates(w: torch.Tensor, bias, packed) -> dict:
+    """name -> one-row function for weight w ([out, in] view, fp32)."""
+    out = {"torch": _torch(w, bias)}
+    if packed is not None:
+        out["packed"] = _packed(packed, bias)
+    return out
+
+
+def _time(fns: dict, x: torch.Tensor, reps: int = 5) -> dict:
+    """name -> median seconds of one pass over fns[name] (each pass a different weight per call:
+    streamed, not cached), the candidates interleaved rep by rep so a drifting load hits all."""
+    ts = {k: [] for k in fns}
+    for r in range(reps + 1):
+        for k, fs in fns.items():
+            t0 = time.perf_counter()
+            for f in fs:
+                f(x)
+            if r:  # the first pass warms (oneDNN builds its primitive)
+                ts[k].append(time.perf_counter() - t0)
+    return {k: sorted(v)[reps // 2] for k, v in ts.items()}
+
+
+@torch.no_grad()
+def choose(mods: list, min_bytes: int = 64 << 20) -> dict:
+    """mods: [(Linear-like with .weight/.bias/.packed)] -> {shape: {candidate: seconds per call,
+    "best": name}}; sets each module's `row1` to its shape's faster one-row function (None:
+    F.linear). Each candidate runs over the shape's weights, cycled to at least min_bytes."""
+    by_shape = defaultdict(list)
+    for m in mods:
+        if m.weight.dtype == torch.float32:
+            by_shape[tuple(m.weight.shape)].append(m)
+    table = {}
+    for shape, ms in by_shape.items():
+        if any(m.packed is None for m in ms):
+            continue  # nothing to choose from
+        x = torch.randn(1, shape[1])
+        nbytes = ms[0].weight.numel() * 4
+        timed = [ms[i % len(ms)] for i in range(max(len(ms), -(-min_bytes // nbytes)))]
+        fns = {k: [candidates(m.weight, m.bias, m.packed)[k] for m in timed] for k in ("torch", "packed")}
+        cost = {k: v / len(timed) for k, v in _time(fns, x).items()}
+        best = min(cost, key=cost.get)
+        for m in ms:
+            m.row1 = None if best == "torch" else candidates(m.weight, m.bias, m.packed)[best]
+        table[shape] = {**cost, "best": best}
+        log.debug("one-row matmul %s: %s", shape, {k: f"{v * 1e6:.0f}us" for k, v in cost.items()})
+    return table
+
+
+class _Head:
+    """The LM head as a Linear-like for `choose` (tied or not, [out, in] view)."""
+
+    def __init__(self, weight, packed):
+        self.weight, self.bias, self.packed, self.row1 = weight, None, packed, None
+
+
+def setup(model, packed_head) -> tuple[dict, object]:
+    """Chooses every fp32 Linear's and the LM head's one-row matmul -> (table, head's row1 or
+    None for F.linear)."""
+    mods = [m for m in model.modules() if isinstance(m, Linear)]
+    head = _Head(model.lm_head_weight, packed_head)
+    table = choose(mods + [head])
+    if table:
+        log.info("cpu one-row matmuls: %s", ", ".join(
+            f"{'x'.join(map(str, s))} {t['best']}" for s, t in table.items()))
+    return table, head.row1
