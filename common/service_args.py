@@ -95,6 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, default=env_int("SPLITSERVE_CPU_THREADS"),
                    help="CPU intra-op threads for this engine (default on CPU: half the cores, "
                         "since prefill and decode usually share the host)")
+    g.add_argument("--cpu-one-row-matmul", choices=("auto", "torch"),
+                   default=env_str("SPLITSERVE_CPU_ONE_ROW_MATMUL", "auto"),
+                   help="CPU fp32, one decode row: auto = per weight shape the faster of F.linear "
+                        "and oneDNN's packed copy, timed at load; torch = F.linear")
 
 
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
@@ -182,7 +186,8 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                                 cuda_graph_max_batch=a.cuda_graph_max_batch,
                                 cuda_graph_max_prefill_tokens=prefill_graph_tokens,
                                 skinny_gemm_max_batch=getattr(a, "skinny_gemm_max_batch", None),
-                                cpu_threads=_cpu_threads(device, getattr(a, "cpu_threads", None))),
+                                cpu_threads=_cpu_threads(device, getattr(a, "cpu_threads", None)),
+                                cpu_one_row_matmul=getattr(a, "cpu_one_row_matmul", "auto")),
         )
     except ConfigError:
         raise
