@@ -29,7 +29,7 @@ import torch.nn.functional as F
 class CpuAttentionPlan:
     decode_rows: torch.Tensor | None  # [n] long: decode rows' flat query rows (None: all rows)
     num_decode: int
-    slots: torch.Tensor | None  # [n * Lp] long: cache slots of the decode rows' contexts
+    blocks: torch.Tensor | None  # [n * Lp / bs] long: cache blocks of the decode rows' contexts
     mask: torch.Tensor | None  # [n, Hq, Lp * Hkv] additive (0 / -inf) in the compute dtype
     padded_len: int  # Lp
     # prompt rows: (q start, q end, context length, row index in the batch)
@@ -57,8 +57,6 @@ def build_plan(meta, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
     idx = None if all_rows else torch.tensor(dec, dtype=torch.long, device=device)
     bt = meta.block_tables[:, :nblk] if all_rows else meta.block_tables.index_select(0, idx)[:, :nblk]
     t = torch.arange(lp, device=device)
-    # slot of token t of a row: block_table[t // bs] * bs + t % bs
-    slots = bt.long().repeat_interleave(bs, dim=1) * bs + t % bs  # [n, Lp]
     ok_pos = t[None, :] < torch.tensor(lens, device=device)[:, None]  # [n, Lp]
     group = num_heads // num_kv_heads
     same_head = (torch.arange(num_heads, device=device)[:, None] // group
@@ -66,7 +64,7 @@ def build_plan(meta, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
     ok = ok_pos[:, None, :, None] & same_head[None, :, None, :]  # [n, Hq, Lp, Hkv]
     mask = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
     q_rows = None if all_rows else torch.tensor([qsl[i] for i in dec], dtype=torch.long, device=device)
-    return CpuAttentionPlan(q_rows, len(dec), slots.reshape(-1),
+    return CpuAttentionPlan(q_rows, len(dec), bt.reshape(-1).long(),
                             mask.view(len(dec), num_heads, lp * num_kv_heads), lp, prompts)
 
 
@@ -118,8 +116,10 @@ def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
     if plan.num_decode:
         n, lp = plan.num_decode, plan.padded_len
         nb, bs = kv_cache.shape[1], kv_cache.shape[2]
-        # NOTE: one gather for K and V: [2, n * Lp, Hkv * D], contiguous per row
-        kv = kv_cache.view(2, nb * bs, hkv * d).index_select(1, plan.slots)
+        # NOTE: one gather for K and V by whole blocks (rows of bs * Hkv * D; a row per token
+        # took 1.26x as long: 49 vs 39 us, SmolLM2, 8 rows x 112 tokens, 2 threads):
+        # [2, n * Lp / bs, bs * Hkv * D] is [2, n * Lp, Hkv * D]
+        kv = kv_cache.view(2, nb, bs * hkv * d).index_select(1, plan.blocks)
         if kv.dtype != cdt:
             kv = kv.to(cdt)
         kk = kv[0].view(n, lp * hkv, d)
