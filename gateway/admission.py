@@ -20,7 +20,7 @@ just half of them; a nearly idle replica gets none: it covers queueing error, an
 that meets its SLO with no queue must not be turned away at low load. The ratios come back only
 as requests finish and cover only what the models see; an `AttainmentGuard` per SLO closes the
 loop on the outcome itself (met or missed), scaling the loaded predictions until the admitted
-requests' miss rate is what `--slo-attainment` allows.
+requests' miss rate is what `--slo-attainment` allows (`--admission-guard`, off by default).
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
 at all means "admit whenever there is room"):
@@ -93,8 +93,8 @@ class AdmissionConfig:
     calibration_min_samples: int = 16
     # closed loop on top (AttainmentGuard): the admitted requests' measured misses scale the
     # loaded predictions until half the miss rate the quantile allows remains (the gateway
-    # measures a little less delay than its clients do)
-    guard: bool = True
+    # measures a little less delay than its clients do); off by default (--admission-guard)
+    guard: bool = False
 
     def __post_init__(self):
         for k in ("prefill_tokens_per_s", "decode_step_ms"):

@@ -49,7 +49,8 @@ def test_guard_decays_to_one_when_everything_meets_and_stays_bounded():
 
 
 def test_guard_scales_loaded_predictions_only():
-    cfg = AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0, overhead_ms=0.0)
+    cfg = AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0, overhead_ms=0.0,
+                          guard=True)
     on, off = Predictor(cfg), Predictor(AdmissionConfig(**{**cfg.__dict__, "guard": False}))
     for p in (on, off):
         for _ in range(200):
