@@ -9,13 +9,14 @@ hold: streamed, as in a step), and the faster serves its one-row calls:
     torch    F.linear on the weight as laid out ([in, out] storage under cpu_weight_layout)
     packed   oneDNN's packed copy (when cpu_packed_matmul made one)
 `python -m bench.cpu_gemv` prints the candidates' GB/s per shape.
-NOTE: both run on torch's OpenMP threads. numpy's OpenBLAS streamed faster still in isolation,
-but its worker threads spin beside torch's between calls: on 2 cores a decode step took 8x
-longer, so a second thread pool is never mixed into the step.
+NOTE: both candidates run on torch's OpenMP threads. A second thread pool must not join the
+step: numpy's OpenBLAS streams faster alone, but its workers spin beside torch's between calls
+(a 2-core decode step 8x slower).
 Results differ from F.linear's by fp32 rounding (summation order), as on the 2+ row path.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -26,22 +27,6 @@ import torch.nn.functional as F
 from engine.layers.linear import Linear, packed_linear
 
 log = logging.getLogger("splitserve.engine.cpu_gemv")
-
-
-def _torch(w: torch.Tensor, bias):
-    return lambda x: F.linear(x, w, bias)
-
-
-def _packed(packed: torch.Tensor, bias):
-    return lambda x: packed_linear(x, packed, bias)
-
-
-def candidates(w: torch.Tensor, bias, packed) -> dict:
-    """name -> one-row function for weight w ([out, in] view, fp32)."""
-    out = {"torch": _torch(w, bias)}
-    if packed is not None:
-        out["packed"] = _packed(packed, bias)
-    return out
 
 
 def _time(fns: dict, x: torch.Tensor, reps: int = 5) -> dict:
@@ -60,9 +45,10 @@ def _time(fns: dict, x: torch.Tensor, reps: int = 5) -> dict:
 
 @torch.no_grad()
 def choose(mods: list, min_bytes: int = 64 << 20) -> dict:
-    """mods: [(Linear-like with .weight/.bias/.packed)] -> {shape: {candidate: seconds per call,
-    "best": name}}; sets each module's `row1` to its shape's faster one-row function (None:
-    F.linear). Each candidate runs over the shape's weights, cycled to at least min_bytes."""
+    """mods: [(Linear-like with .weight/.bias/.packed/.packed_min_rows)] -> {shape: {candidate:
+    seconds per call, "best": name}}; a shape whose packed copy is faster at one row gets
+    packed_min_rows = 1 (else 2). Each candidate runs over the shape's weights, cycled to at
+    least min_bytes."""
     by_shape = defaultdict(list)
     for m in mods:
         if m.weight.dtype == torch.float32:
@@ -74,11 +60,12 @@ def choose(mods: list, min_bytes: int = 64 << 20) -> dict:
         x = torch.randn(1, shape[1])
         nbytes = ms[0].weight.numel() * 4
         timed = [ms[i % len(ms)] for i in range(max(len(ms), -(-min_bytes // nbytes)))]
-        fns = {k: [candidates(m.weight, m.bias, m.packed)[k] for m in timed] for k in ("torch", "packed")}
+        fns = {"torch": [functools.partial(F.linear, weight=m.weight, bias=m.bias) for m in timed],
+               "packed": [functools.partial(packed_linear, packed=m.packed, bias=m.bias) for m in timed]}
         cost = {k: v / len(timed) for k, v in _time(fns, x).items()}
         best = min(cost, key=cost.get)
         for m in ms:
-            m.row1 = None if best == "torch" else candidates(m.weight, m.bias, m.packed)[best]
+            m.packed_min_rows = 1 if best == "packed" else 2
         table[shape] = {**cost, "best": best}
         log.debug("one-row matmul %s: %s", shape, {k: f"{v * 1e6:.0f}us" for k, v in cost.items()})
     return table
@@ -88,16 +75,16 @@ class _Head:
     """The LM head as a Linear-like for `choose` (tied or not, [out, in] view)."""
 
     def __init__(self, weight, packed):
-        self.weight, self.bias, self.packed, self.row1 = weight, None, packed, None
+        self.weight, self.bias, self.packed, self.packed_min_rows = weight, None, packed, 2
 
 
-def setup(model, packed_head) -> tuple[dict, object]:
-    """Chooses every fp32 Linear's and the LM head's one-row matmul -> (table, head's row1 or
-    None for F.linear)."""
+def setup(model, packed_head) -> tuple[dict, int]:
+    """Chooses every fp32 Linear's and the LM head's one-row matmul -> (table, the rows from
+    which the head uses packed_head)."""
     mods = [m for m in model.modules() if isinstance(m, Linear)]
     head = _Head(model.lm_head_weight, packed_head)
     table = choose(mods + [head])
     if table:
         log.info("cpu one-row matmuls: %s", ", ".join(
             f"{'x'.join(map(str, s))} {t['best']}" for s, t in table.items()))
-    return table, head.row1
+    return table, head.packed_min_rows

@@ -51,12 +51,9 @@ def pack_model(model) -> torch.Tensor | None:
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           row1=None) -> torch.Tensor:
-    """hidden [N, H] -> fp32 logits [N, vocab]: the packed head for 2+ rows, row1 (the one-row
-    matmul engine/cpu_gemv.py chose) for one."""
-    if hidden.dtype == torch.float32:
-        if packed is not None and hidden.shape[0] > 1:
-            return packed_linear(hidden, packed, None)
-        if row1 is not None and hidden.shape[0] == 1:
-            return row1(hidden)
+           min_rows: int = 2) -> torch.Tensor:
+    """hidden [N, H] -> fp32 logits [N, vocab]: the packed head for min_rows rows or more (1
+    where engine/cpu_gemv.py measured it faster at one row)."""
+    if packed is not None and hidden.shape[0] >= min_rows and hidden.dtype == torch.float32:
+        return packed_linear(hidden, packed, None)
     return F.linear(hidden.to(weight.dtype), weight).float()

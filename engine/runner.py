@@ -102,7 +102,7 @@ class ModelRunner:
         # NOTE: the fused Triton matmuls need [out, in] weights; under the Triton interpreter
         # (tests) they may run on CPU
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head's oneDNN copy
-        self.head_row1 = None  # CPU: the LM head's one-row matmul (engine/cpu_gemv.py)
+        self.head_packed_min_rows = 2  # rows from which the LM head uses packed_head (cpu_gemv)
         if self.device.type == "cpu" and not interpreting():
             self._cpu_setup(model)
 
@@ -120,10 +120,10 @@ class ModelRunner:
             self.packed_head = cpu_matmul.pack_model(model)
         if d.cpu_weight_layout:
             transpose_linear_weights(model)
-        if d.cpu_one_row_matmul == "auto" and self.dtype == torch.float32:
+        if d.cpu_one_row_matmul == "auto" and want == "on":  # a choice only where packed copies exist
             from engine import cpu_gemv
 
-            _, self.head_row1 = cpu_gemv.setup(model, self.packed_head)
+            _, self.head_packed_min_rows = cpu_gemv.setup(model, self.packed_head)
 
     def _skinny_batches(self) -> tuple[int, frozenset[int] | None]:
         """(max rows, the row counts <= max that take the fused path or None for all)."""
@@ -342,11 +342,11 @@ class ModelRunner:
         if not logits_idx:
             return None
         idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
-        if self.packed_head is not None or self.head_row1 is not None:
+        if self.packed_head is not None:
             from engine.cpu_matmul import logits
 
             return logits(hidden.index_select(0, idx), self.model.lm_head_weight, self.packed_head,
-                          self.head_row1)
+                          self.head_packed_min_rows)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     def record_step_time(self, t0: float) -> None:

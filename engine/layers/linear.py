@@ -21,15 +21,13 @@ class Linear(torch.nn.Module):
                                          requires_grad=False)
         self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
-        # CPU fp32: oneDNN's prepacked copy of weight for inputs of 2+ rows (engine/cpu_matmul.py)
+        # CPU fp32: oneDNN's prepacked copy of weight (engine/cpu_matmul.py), used for inputs of
+        # at least packed_min_rows rows (1 where it measured faster at one row: engine/cpu_gemv.py)
         self.packed: torch.Tensor | None = None
-        # CPU fp32: the one-row matmul measured fastest for this shape (engine/cpu_gemv.py)
-        self.row1 = None
+        self.packed_min_rows = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row1 is not None and x.shape[0] == 1:
-            return self.row1(x)
-        if self.packed is not None and x.shape[0] > 1:
+        if self.packed is not None and x.shape[0] >= self.packed_min_rows:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 

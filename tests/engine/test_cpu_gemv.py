@@ -36,7 +36,7 @@ def test_each_shape_gets_one_choice_and_its_product(bias):
     for shape, t in table.items():
         assert t["best"] in ("torch", "packed") and t["torch"] > 0 and t["packed"] > 0
         ms = [m for m in mods if tuple(m.weight.shape) == shape]
-        assert all((m.row1 is None) == (t["best"] == "torch") for m in ms)
+        assert all((m.packed_min_rows == 1) == (t["best"] == "packed") for m in ms)
     for m in mods:
         x = torch.randn(1, m.in_features)
         torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-4)
@@ -45,23 +45,27 @@ def test_each_shape_gets_one_choice_and_its_product(bias):
 
 
 def test_forced_choice_routes_one_row_calls(monkeypatch):
+    import engine.layers.linear as linear_mod
+
     lin = _lin(32, 48)
     monkeypatch.setattr(cpu_gemv, "_time", lambda fns, x: {"torch": 2.0, "packed": 1.0})
     cpu_gemv.choose([lin])
-    calls = []
-    real = lin.row1
-    lin.row1 = lambda x: calls.append(1) or real(x)
+    rows = []
+    real = linear_mod.packed_linear
+    monkeypatch.setattr(linear_mod, "packed_linear", lambda x, p, b: rows.append(x.shape[0]) or real(x, p, b))
     lin(torch.randn(1, 32))
     lin(torch.randn(3, 32))
-    assert calls == [1]  # one row only
+    assert rows == [1, 3]  # one row now packed too; 2+ rows packed as before
     monkeypatch.setattr(cpu_gemv, "_time", lambda fns, x: {"torch": 1.0, "packed": 2.0})
     cpu_gemv.choose([lin])
-    assert lin.row1 is None
+    rows.clear()
+    lin(torch.randn(1, 32))
+    assert lin.packed_min_rows == 2 and rows == []  # one row back on F.linear
 
 
 def test_no_packed_copy_no_choice():
     lin = _lin(32, 48, packed=False)
-    assert cpu_gemv.choose([lin]) == {} and lin.row1 is None
+    assert cpu_gemv.choose([lin]) == {} and lin.packed_min_rows == 2
 
 
 @pytest.mark.parametrize("one_row", ["auto", "torch"])
@@ -79,7 +83,7 @@ def test_engine_sets_it_up_and_keeps_greedy_output(one_row, monkeypatch):
 
     eng, out = run(one_row)
     lins = [m for m in eng.runner.model.modules() if isinstance(m, Linear)]
-    assert all((m.row1 is not None) == (one_row == "auto") for m in lins)
-    assert (eng.runner.head_row1 is not None) == (one_row == "auto")
+    assert all((m.packed_min_rows == 1) == (one_row == "auto") for m in lins)
+    assert (eng.runner.head_packed_min_rows == 1) == (one_row == "auto")
     _, ref = run("torch")
     assert out == ref
