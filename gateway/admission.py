@@ -257,14 +257,14 @@ class Predictor:
         tpot, idle_tpot = self.tpot_ms(decode, joining)
         if here:
             ttft, idle_ttft = ttft + tpot, idle_ttft + idle_tpot
+        batch = self.decode_batch(decode, joining)
         # NOTE: a batch at its sequence cap is full like a KV cache without blocks: a request
         # admitted past it waits in decode for a slot after its first token, and that wait
         # (seconds at 2x overload) lands in its TPOT, which no step-time model predicts
         full = (decode.num_free_blocks == 0 or decode.kv_usage >= 0.999
-                or (decode.max_num_seqs is not None
-                    and self.decode_batch(decode, joining) > decode.max_num_seqs))
+                or (decode.max_num_seqs is not None and batch > decode.max_num_seqs))
         bt = self.ttft_bucket(prefill, num_tokens, cached_tokens)
-        bp = self.tpot_bucket(self.decode_batch(decode, joining))
+        bp = self.tpot_bucket(batch)
         if not self.cfg.calibrate:
             return Prediction(ttft, tpot, idle_ttft, idle_tpot, full, cached_tokens, ttft, tpot,
                               ttft_bucket=bt, tpot_bucket=bp)

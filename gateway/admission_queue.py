@@ -24,9 +24,8 @@ class AdmissionQueue:
     on every notify and every `poll_s`; the others only every `idle_poll_s` and at their
     deadline (so one whose deadline passed is rejected wherever it stands).
     NOTE: a waiter behind the head cannot be admitted, so its polls only look for a reason to
-    reject; at `poll_s` for all of them, a queue of hundreds (2x overload) spent the gateway's
-    event loop on decisions and delayed every streamed token (client TTFT +200 ms).
-    `python -m bench.admission_queue` measures it."""
+    reject; polled at `poll_s`, the decisions grow with the queue's depth (500 waiters: ~10,000
+    a second on the gateway's event loop). `python -m bench.admission_queue` measures it."""
 
     def __init__(self):
         self._heap: list[_Waiter] = []

@@ -119,8 +119,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    default=env_str("SPLITSERVE_ADMISSION_GUARD", "off"),
                    help="closed loop on the admitted requests' measured SLO misses: scales "
                         "admission's loaded predictions until the miss rate is what "
-                        "--slo-attainment allows. Off by default: on CPU (SmolLM2, ~1x and ~2x, "
-                        "one run each) it rejected requests that would have met their SLO")
+                        "--slo-attainment allows (off: models, calibration and headroom alone; "
+                        "lab/HISTORY.md has its A/B)")
     p.add_argument("--log-level", default=None)
     p.add_argument("--prefill-on-decode", choices=PREFILL_ON_DECODE,
                    default=env_str("SPLITSERVE_PREFILL_ON_DECODE", "never"),
