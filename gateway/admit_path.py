@@ -132,8 +132,9 @@ class AdmitPath:
 
     def _observe_slo(self, req: GenRequest, route: Route, ttft_ms: float | None = None,
                      tpot_ms: float | None = None) -> None:
-        """An admitted request's TTFT (from arrival) / TPOT against its SLOs: the guards."""
-        if route.prediction is None:
+        """An admitted request's TTFT (from arrival) / TPOT against its SLOs: the guards (only
+        when they are on: off, nothing reads them)."""
+        if route.prediction is None or not self.admission_cfg.guard:
             return
         ttft_slo, tpot_slo = self._slos(req)
         p = self.predictor

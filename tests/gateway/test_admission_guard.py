@@ -70,7 +70,7 @@ async def test_gateway_feeds_the_guard_from_served_requests():
     """Through the gateway against fake replicas over gRPC: a decode slower than the TPOT SLO
     makes every admitted request miss; the guard counts them and tightens. A TTFT SLO met
     leaves the TTFT guard at 1."""
-    s = await make_stack(decode_step_s=0.01)
+    s = await make_stack(decode_step_s=0.01, admission=AdmissionConfig(guard=True))
     try:
         core = s.core
         for _ in range(6):
@@ -86,6 +86,18 @@ async def test_gateway_feeds_the_guard_from_served_requests():
         assert pred.tpot_guard.factor > 1.0
         assert pred.ttft_guard.samples >= 1 and pred.ttft_guard.misses == 0
         assert pred.ttft_guard.factor == 1.0
+    finally:
+        await s.close()
+
+
+async def test_guard_off_is_not_fed():
+    s = await make_stack(decode_step_s=0.01)  # the default: guard off
+    try:
+        core = s.core
+        r = GenRequest(core.new_request_id(), core.tokenizer.encode("abc"),
+                       SamplingParams(temperature=0.0, max_tokens=6), ttft_slo_ms=5000.0, tpot_slo_ms=6.0)
+        [c async for c in core.generate(r)]
+        assert core.predictor.tpot_guard.samples == core.predictor.ttft_guard.samples == 0
     finally:
         await s.close()
 
