@@ -50,7 +50,8 @@ class Engine(DisaggregationMixin):
         self.model_name = cfg.model.served_model_name or loaded.name
         a = self.arch
         self.attn_backend = get_attention_backend(cfg.device.attention_backend, device,
-                                                  a.num_heads, a.num_kv_heads, a.head_dim)
+                                                  a.num_heads, a.num_kv_heads, a.head_dim,
+                                                  cpu_attention=cfg.device.cpu_attention)
         with torch.device(device):
             model = CausalLM(a, self.attn_backend, dtype=dtype)
         model.load_weights(loaded.weights)

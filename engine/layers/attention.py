@@ -181,6 +181,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, *args, cpu_decode=None, **kw):
+        """cpu_decode: an attention_cpu_native.NativeDecode for the decode rows on CPU (None:
+        torch ops)."""
+        super().__init__(*args, **kw)
+        self.cpu_decode = cpu_decode
+
     def forward(self, layer, q, k, v, kv_cache, meta, kv_scales=None):
         ks = vs = None
         if kv_cache.dtype == torch.float8_e4m3fn:
@@ -192,8 +198,9 @@ class TorchAttentionBackend(AttentionBackend):
             from engine.layers.attention_cpu import build_plan, paged_attention_cpu
 
             if meta.cpu_plan is None:
+                nd = self.cpu_decode
                 meta.cpu_plan = build_plan(meta, self.num_heads, self.num_kv_heads, torch.float32,
-                                           q.device)
+                                           q.device, nd if nd is not None and nd.supports(q, kv_cache) else None)
             return paged_attention_cpu(q, k, v, kv_cache, meta, self.scale, meta.cpu_plan)
         return paged_attention_torch(q, kv_cache, meta, self.scale, ks, vs)
 

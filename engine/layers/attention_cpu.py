@@ -34,10 +34,16 @@ class CpuAttentionPlan:
     padded_len: int  # Lp
     # prompt rows: (q start, q end, context length, row index in the batch)
     prompt_rows: list[tuple[int, int, int, int]]
+    # the C kernel's inputs (attention_cpu_native.py) in place of blocks / mask: the decode rows'
+    # block tables (int32 [n, >= Lp / bs]) and context lengths (int32 [n])
+    native: object | None = None
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
 
 
 def build_plan(meta, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
-               device: torch.device) -> CpuAttentionPlan:
+               device: torch.device, native=None) -> CpuAttentionPlan:
+    """native: an attention_cpu_native.NativeDecode to run the decode rows (None: torch ops)."""
     qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
     sl = meta.seq_lens_cpu or meta.seq_lens.tolist()
     bs = meta.block_size
@@ -56,6 +62,10 @@ def build_plan(meta, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
     all_rows = len(dec) == len(sl)
     idx = None if all_rows else torch.tensor(dec, dtype=torch.long, device=device)
     bt = meta.block_tables[:, :nblk] if all_rows else meta.block_tables.index_select(0, idx)[:, :nblk]
+    q_rows = None if all_rows else torch.tensor([qsl[i] for i in dec], dtype=torch.long, device=device)
+    if native is not None:
+        return CpuAttentionPlan(q_rows, len(dec), None, None, lp, prompts, native,
+                                bt.to(torch.int32), torch.tensor(lens, dtype=torch.int32))
     t = torch.arange(lp, device=device)
     ok_pos = t[None, :] < torch.tensor(lens, device=device)[:, None]  # [n, Lp]
     group = num_heads // num_kv_heads
@@ -63,7 +73,6 @@ def build_plan(meta, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
                  == torch.arange(num_kv_heads, device=device)[None, :])  # [Hq, Hkv]
     ok = ok_pos[:, None, :, None] & same_head[None, :, None, :]  # [n, Hq, Lp, Hkv]
     mask = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
-    q_rows = None if all_rows else torch.tensor([qsl[i] for i in dec], dtype=torch.long, device=device)
     return CpuAttentionPlan(q_rows, len(dec), bt.reshape(-1).long(),
                             mask.view(len(dec), num_heads, lp * num_kv_heads), lp, prompts)
 
@@ -113,7 +122,9 @@ def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
     hkv = kv_cache.shape[3]
     out = torch.empty_like(q)
     cdt = torch.float32
-    if plan.num_decode:
+    if plan.num_decode and plan.native is not None:
+        plan.native(q, kv_cache, out, plan.decode_rows, plan.block_tables, plan.seq_lens, scale)
+    elif plan.num_decode:
         n, lp = plan.num_decode, plan.padded_len
         nb, bs = kv_cache.shape[1], kv_cache.shape[2]
         # NOTE: one gather for K and V by whole blocks (rows of bs * Hkv * D; a row per token

@@ -1,11 +1,27 @@
 """The torch backend's CPU path (engine/layers/attention_cpu.py) against the reference
 (paged_attention_torch): decode rows batched, prompt rows with and without cached context,
-mixed steps, GQA groups, block sizes, a 16-bit KV cache; and the plan is built once per step."""
+mixed steps, GQA groups, block sizes, a 16-bit KV cache; and the plan is built once per step.
+Every case runs twice: decode rows through torch ops, and through the C kernel
+(engine/layers/attention_cpu_native.py)."""
 import pytest
 import torch
 
 from engine.layers.attention import (TorchAttentionBackend, paged_attention_torch, write_kv_torch)
 from tests.conftest import make_meta
+
+
+@pytest.fixture(params=["torch", "native"])
+def decode_path(request):
+    """The cpu_decode a TorchAttentionBackend gets (None: torch ops)."""
+    if request.param == "torch":
+        return None
+    from engine import cpu_native
+    from engine.layers.attention_cpu_native import NativeDecode
+
+    lib, why = cpu_native.load()
+    if lib is None:
+        pytest.skip(f"C kernel not built here: {why}")
+    return NativeDecode(lib)
 
 
 def _case(seqs, hq, hkv, d, bs, num_blocks, kv_dtype=torch.float32, seed=0):
@@ -25,7 +41,7 @@ def _blocks(n_tokens, bs, start_block):
 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_matches_reference_mixed(hq, hkv, bs):
+def test_matches_reference_mixed(hq, hkv, bs, decode_path):
     # decode rows of varied length, a fresh prompt, a chunk after cached tokens, another decode
     lens = [(37, 1), (1, 1), (100, 1), (0, 23), (40, 9), (16, 1)]  # (start, n_new)
     seqs, nxt = [], 1
@@ -35,7 +51,7 @@ def test_matches_reference_mixed(hq, hkv, bs):
         nxt += len(blocks)
         seqs.append((blocks, start, n))
     q, k, v, cache, meta = _case(seqs, hq, hkv, 64, bs, nxt + 2)
-    be = TorchAttentionBackend(hq, hkv, 64)
+    be = TorchAttentionBackend(hq, hkv, 64, cpu_decode=decode_path)
     ref_cache = cache.clone()
     write_kv_torch(k, v, ref_cache, meta.slot_mapping)
     ref = paged_attention_torch(q, ref_cache, meta, be.scale)
@@ -44,25 +60,25 @@ def test_matches_reference_mixed(hq, hkv, bs):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_only_and_prompt_only():
+def test_decode_only_and_prompt_only(decode_path):
     bs = 16
     dec = [(_blocks(n + 1, bs, 1 + 10 * i), n, 1) for i, n in enumerate([5, 63, 64, 120])]
     pre = [(_blocks(n, bs, 1 + 10 * i), 0, n) for i, n in enumerate([7, 33])]
     for seqs in (dec, pre):
         q, k, v, cache, meta = _case(seqs, 9, 3, 64, bs, 64, seed=3)
-        be = TorchAttentionBackend(9, 3, 64)
+        be = TorchAttentionBackend(9, 3, 64, cpu_decode=decode_path)
         ref_cache = cache.clone()
         write_kv_torch(k, v, ref_cache, meta.slot_mapping)
         ref = paged_attention_torch(q, ref_cache, meta, be.scale)
         torch.testing.assert_close(be.forward(0, q, k, v, cache, meta), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_kv_cache_reads_what_is_stored():
+def test_bf16_kv_cache_reads_what_is_stored(decode_path):
     # fp32 compute, bf16 cache: a fresh prompt must see the rounded K/V like the reference
     bs = 16
     seqs = [(_blocks(20, bs, 1), 0, 20), (_blocks(9, bs, 3), 8, 1)]
     q, k, v, cache, meta = _case(seqs, 4, 2, 32, bs, 8, kv_dtype=torch.bfloat16, seed=5)
-    be = TorchAttentionBackend(4, 2, 32)
+    be = TorchAttentionBackend(4, 2, 32, cpu_decode=decode_path)
     ref_cache = cache.clone()
     write_kv_torch(k, v, ref_cache, meta.slot_mapping)
     ref = paged_attention_torch(q, ref_cache, meta, be.scale)
@@ -84,7 +100,7 @@ def test_plan_built_once_per_step(monkeypatch):
 
 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4)])
-def test_fresh_prompts_batched_by_length_match_the_reference(hq, hkv):
+def test_fresh_prompts_batched_by_length_match_the_reference(hq, hkv, decode_path):
     """Several fresh prompts in one step (grouped and right-padded into shared SDPA calls) next
     to decode rows and a chunk after cached tokens."""
     from engine.layers.attention_cpu import fresh_groups
@@ -95,7 +111,7 @@ def test_fresh_prompts_batched_by_length_match_the_reference(hq, hkv):
         nxt += len(blocks)
         seqs.append((blocks, start, n))
     q, k, v, cache, meta = _case(seqs, hq, hkv, 64, bs, nxt + 2, seed=5)
-    be = TorchAttentionBackend(hq, hkv, 64)
+    be = TorchAttentionBackend(hq, hkv, 64, cpu_decode=decode_path)
     ref_cache = cache.clone()
     write_kv_torch(k, v, ref_cache, meta.slot_mapping)
     ref = paged_attention_torch(q, ref_cache, meta, be.scale)
