@@ -99,10 +99,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=env_str("SPLITSERVE_CPU_ONE_ROW_MATMUL", "auto"),
                    help="CPU fp32, one decode row: auto = per weight shape the faster of F.linear "
                         "and oneDNN's packed copy, timed at load; torch = F.linear")
-    g.add_argument("--cpu-attention", choices=("auto", "native", "torch"),
-                   default=env_str("SPLITSERVE_CPU_ATTENTION", "auto"),
-                   help="CPU decode attention: native = the C kernel compiled here at first use "
-                        "(needs a C compiler); auto = native when it builds, else torch ops")
+    g.add_argument("--cpu-kernels", choices=("auto", "native", "torch"),
+                   default=env_str("SPLITSERVE_CPU_KERNELS", "auto"),
+                   help="CPU C kernels (paged attention, fp32 add+RMSNorm, SiLU-and-mul, rotary), "
+                        "compiled here at first use: native = required (needs a C compiler); "
+                        "auto = when they build, else torch ops; torch = torch ops only")
 
 
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
@@ -192,7 +193,7 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                                 skinny_gemm_max_batch=getattr(a, "skinny_gemm_max_batch", None),
                                 cpu_threads=_cpu_threads(device, getattr(a, "cpu_threads", None)),
                                 cpu_one_row_matmul=getattr(a, "cpu_one_row_matmul", "auto"),
-                                cpu_attention=getattr(a, "cpu_attention", "auto")),
+                                cpu_kernels=getattr(a, "cpu_kernels", "auto")),
         )
     except ConfigError:
         raise

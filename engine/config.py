@@ -120,9 +120,10 @@ class DeviceConfig:
     # CPU, fp32: one-row matmuls (a single decode stream) through the BLAS measured fastest
     # per weight shape at load (engine/cpu_gemv.py); "torch": F.linear always
     cpu_one_row_matmul: str = "auto"
-    # CPU: decode rows' paged attention through the C kernel built here at first use
-    # (engine/layers/attention_cpu_native.py); auto falls back to torch ops without a compiler
-    cpu_attention: str = "auto"
+    # CPU: the C kernels built here at first use (engine/cpu_native.py): paged attention of decode
+    # rows and short prompts, and fp32 add+RMSNorm, SiLU-and-mul, rotary; auto falls back to
+    # torch ops without a C compiler, native requires them, torch never builds them
+    cpu_kernels: str = "auto"
     # Decode matmuls with at most this many rows run through the fused skinny-GEMM Triton
     # kernels (norm / silu / residual fused); larger batches use cuBLAS. None: the tuned
     # default (engine.kernels.skinny_configs.DEFAULT_MAX_M); 0: off. CUDA only.
@@ -136,8 +137,8 @@ class DeviceConfig:
                "cpu_interop_threads must be >= 1")
         _check(self.cpu_one_row_matmul in ("auto", "torch"),
                f"cpu_one_row_matmul must be auto or torch, got {self.cpu_one_row_matmul!r}")
-        _check(self.cpu_attention in ("auto", "native", "torch"),
-               f"cpu_attention must be auto, native or torch, got {self.cpu_attention!r}")
+        _check(self.cpu_kernels in ("auto", "native", "torch"),
+               f"cpu_kernels must be auto, native or torch, got {self.cpu_kernels!r}")
         _check(self.cpu_packed_matmul in CPU_PACKED_MATMUL,
                f"cpu_packed_matmul must be one of {CPU_PACKED_MATMUL}, got {self.cpu_packed_matmul!r}")
         _check(self.skinny_gemm_max_batch is None or 0 <= self.skinny_gemm_max_batch <= 64,

@@ -51,7 +51,7 @@ class Engine(DisaggregationMixin):
         a = self.arch
         self.attn_backend = get_attention_backend(cfg.device.attention_backend, device,
                                                   a.num_heads, a.num_kv_heads, a.head_dim,
-                                                  cpu_attention=cfg.device.cpu_attention)
+                                                  cpu_kernels=cfg.device.cpu_kernels)
         with torch.device(device):
             model = CausalLM(a, self.attn_backend, dtype=dtype)
         model.load_weights(loaded.weights)

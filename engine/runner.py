@@ -120,6 +120,13 @@ class ModelRunner:
             self.packed_head = cpu_matmul.pack_model(model)
         if d.cpu_weight_layout:
             transpose_linear_weights(model)
+        if d.cpu_kernels != "torch" and self.dtype == torch.float32:
+            from engine.layers import cpu_ops
+
+            ops = cpu_ops.make(d.cpu_kernels)
+            for mod in model.modules():
+                if hasattr(type(mod), "cpu_ops"):
+                    mod.cpu_ops = ops
         if d.cpu_one_row_matmul == "auto" and want == "on":  # a choice only where packed copies exist
             from engine import cpu_gemv
 

@@ -2,7 +2,7 @@
 each row reads its context in place from the cache, one pass, online softmax, the query heads of
 a kv head sharing its K / V reads. The torch path (engine/layers/attention_cpu.py) gathers every
 context into a padded copy first and multiplies Hkv x the score FLOPs; the C kernel does neither.
-Measure: python -m bench.cpu_step --variant torch:cpu_attention=torch --variant native:cpu_attention=auto
+Measure: python -m bench.cpu_step --variant torch:cpu_kernels=torch --variant native:cpu_kernels=auto
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine import cpu_native
 
 log = logging.getLogger("splitserve.engine.cpu_native")
 
-CPU_ATTENTION = ("auto", "native", "torch")
+CPU_KERNELS = ("auto", "native", "torch")
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -62,13 +62,13 @@ class NativeDecode:
 def make(mode: str) -> NativeDecode | None:
     """mode auto: the C kernel when it builds here, else None (torch ops); native: it must build;
     torch: None."""
-    if mode not in CPU_ATTENTION:
-        raise ValueError(f"cpu_attention must be one of {CPU_ATTENTION}, got {mode!r}")
+    if mode not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {mode!r}")
     if mode == "torch":
         return None
     lib, why = cpu_native.load()
     if lib is None:
         if mode == "native":
-            raise RuntimeError(f"cpu_attention=native: {why}")
+            raise RuntimeError(f"cpu_kernels=native: {why}")
         return None
     return NativeDecode(lib)

@@ -20,6 +20,8 @@ def _triton_norms():
 
 
 class RMSNorm(torch.nn.Module):
+    cpu_ops = None  # engine/layers/cpu_ops.CpuOps on an fp32 CPU model (set by the runner)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None,
                  kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
@@ -35,6 +37,10 @@ class RMSNorm(torch.nn.Module):
             if residual is None:
                 return kern[0](x, self.weight, self.eps, self.kernels)
             return kern[1](x, residual, self.weight, self.eps, self.kernels)
+        if self.cpu_ops is not None and not x.is_cuda:
+            r = self.cpu_ops.rms_norm(x, residual, self.weight, self.eps)
+            if r is not None:
+                return r
         if residual is not None:
             x = x + residual
             residual = x

@@ -38,6 +38,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class Attention(torch.nn.Module):
+    cpu_ops = None  # engine/layers/cpu_ops.CpuOps on an fp32 CPU model: rotary in place (runner)
+
     def __init__(self, arch: ModelArch, layer_idx: int, backend: AttentionBackend,
                  dtype: torch.dtype | None):
         super().__init__()
@@ -61,6 +63,9 @@ class Attention(torch.nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # rotary + KV write + attention (the backend may fuse the rotation into its KV write)
+        if self.cpu_ops is not None and not qkv.is_cuda and self.cpu_ops.rotary(q, k, rope[0], rope[1]):
+            o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, kv_scales)
+            return o.reshape(t, self.num_heads * self.head_dim)
         o = self.backend.forward_rope(self.layer_idx, q, k, v, rope, kv_cache, meta, kv_scales)  # [T, Hq, D]
         return o.reshape(t, self.num_heads * self.head_dim)
 

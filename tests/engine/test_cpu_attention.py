@@ -43,7 +43,8 @@ def _blocks(n_tokens, bs, start_block):
 @pytest.mark.parametrize("bs", [16, 32])
 def test_matches_reference_mixed(hq, hkv, bs, decode_path):
     # decode rows of varied length, a fresh prompt, a chunk after cached tokens, another decode
-    lens = [(37, 1), (1, 1), (100, 1), (0, 23), (40, 9), (16, 1)]  # (start, n_new)
+    # (start, n_new); the 200-token prompt is past the C kernel's prompt rows (NATIVE_PROMPT_MAX_CTX)
+    lens = [(37, 1), (1, 1), (100, 1), (0, 23), (40, 9), (16, 1), (0, 200), (150, 30)]
     seqs, nxt = [], 1
     for start, n in lens:
         blocks = _blocks(start + n, bs, nxt)

@@ -115,7 +115,7 @@ def test_without_a_compiler(tmp_path, monkeypatch):
     assert make("torch") is None
     with pytest.raises(RuntimeError, match="no C compiler"):
         make("native")
-    with pytest.raises(ValueError, match="cpu_attention"):
+    with pytest.raises(ValueError, match="cpu_kernels"):
         make("fast")
 
 
@@ -127,3 +127,17 @@ def test_a_broken_source_is_reported(tmp_path, monkeypatch):
     src.write_text("int broken( {\n")
     lib, why = cpu_native.load(src)
     assert lib is None and "build of bad.c failed" in why
+
+
+def test_plan_gives_the_kernel_decode_rows_and_short_prompts(nd):
+    from engine.layers.attention_cpu import NATIVE_PROMPT_MAX_CTX, build_plan
+
+    long_n = NATIVE_PROMPT_MAX_CTX + 40
+    seqs = [(list(range(1, 1 + -(-long_n // 16))), 0, long_n), (list(range(40, 42)), 0, 20),
+            (list(range(50, 52)), 30, 1)]
+    _, meta = make_meta(seqs, 16)
+    plan = build_plan(meta, 4, 2, torch.float32, torch.device("cpu"), nd)
+    assert [r[2] for r in plan.prompt_rows] == [long_n]  # the long prompt stays on torch ops
+    assert plan.seq_lens.tolist() == [31] + list(range(1, 21))  # decode row, then causal prefixes
+    assert plan.decode_rows.tolist() == [long_n + 20] + list(range(long_n, long_n + 20))
+    assert plan.block_tables[0, :2].tolist() == [50, 51] and plan.block_tables[1, :2].tolist() == [40, 41]
