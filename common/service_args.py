@@ -67,7 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=env_int("SPLITSERVE_MAX_NUM_SEQS", 128))
     g.add_argument("--max-num-batched-tokens", type=int,
-                   default=env_int("SPLITSERVE_MAX_NUM_BATCHED_TOKENS", 2048))
+                   default=env_int("SPLITSERVE_MAX_NUM_BATCHED_TOKENS"),
+                   help="tokens a step may schedule (prompt chunks + decode rows); default "
+                        f"{BATCHED_TOKENS['cuda']} on a GPU, {BATCHED_TOKENS['cpu']} on CPU")
     g.add_argument("--max-model-len", type=int, default=env_int("SPLITSERVE_MAX_MODEL_LEN"))
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true",
@@ -153,6 +155,13 @@ def _device(device: str) -> str:
     return "cuda:0" if device == "cuda" else device
 
 
+# Default step token budget per device. CPU: a burst of prompts is prefilled in 256-token
+# chunks, so the first prompts answer while later ones wait (a 32-prompt burst's median TTFT is
+# about half of one 2048-token step's; measure: python -m bench.peer_cpu --streams 32
+# --variant b2048:--max-num-batched-tokens=2048 --variant b256:--max-num-batched-tokens=256)
+BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
+
+
 def _cpu_threads(device: str, threads: int | None) -> int | None:
     # NOTE: two engines each running torch's default (all cores) on one small host spin
     # against each other in OpenMP and run ~10x slower; split the cores between them.
@@ -184,7 +193,8 @@ def engine_config_from_args(a: argparse.Namespace, *, prefix_caching: bool = Tru
                               kv_cache_bytes=a.kv_cache_bytes, num_blocks=a.num_blocks,
                               enable_prefix_caching=prefix_caching and not a.no_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
-                                      max_num_batched_tokens=a.max_num_batched_tokens,
+                                      max_num_batched_tokens=a.max_num_batched_tokens or BATCHED_TOKENS[
+                                          "cpu" if device == "cpu" else "cuda"],
                                       async_scheduling=ASYNC_SCHEDULING[async_scheduling]),
             device=DeviceConfig(device=device, enforce_eager=a.enforce_eager,
                                 attention_backend=a.attention_backend,
