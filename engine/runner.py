@@ -103,6 +103,8 @@ class ModelRunner:
         # (tests) they may run on CPU
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head's oneDNN copy
         self.head_packed_min_rows = 2  # rows from which the LM head uses packed_head (cpu_gemv)
+        self.skinny_head: torch.Tensor | None = None  # CPU: the LM head in cpu_skinny's order
+        self.cpu_skinny = None
         if self.device.type == "cpu" and not interpreting():
             self._cpu_setup(model)
 
@@ -127,6 +129,17 @@ class ModelRunner:
             for mod in model.modules():
                 if hasattr(type(mod), "cpu_ops"):
                     mod.cpu_ops = ops
+        if d.cpu_kernels != "torch" and want == "on":  # 1-8 rows: the C kernel's own weight copy
+            from engine.layers import cpu_skinny
+            from engine.layers.linear import Linear
+
+            self.cpu_skinny = cpu_skinny.make(d.cpu_kernels)
+            if self.cpu_skinny is not None:
+                for mod in model.modules():
+                    if isinstance(mod, Linear) and mod.weight.dtype == torch.float32:
+                        mod.skinny, mod.cpu_skinny = cpu_skinny.pack(mod.weight), self.cpu_skinny
+                self.skinny_head = cpu_skinny.pack(model.lm_head_weight)
+                return  # the one-row choice below only concerns rows the kernel now serves
         if d.cpu_one_row_matmul == "auto" and want == "on":  # a choice only where packed copies exist
             from engine import cpu_gemv
 
@@ -349,6 +362,11 @@ class ModelRunner:
         if not logits_idx:
             return None
         idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
+        if self.skinny_head is not None and len(logits_idx) <= 8:
+            w = self.model.lm_head_weight
+            out = self.cpu_skinny(hidden.index_select(0, idx), self.skinny_head, w.shape[0])
+            if out is not None:
+                return out
         if self.packed_head is not None:
             from engine.cpu_matmul import logits
 

@@ -57,7 +57,8 @@ static inline const float *row_f32(const void *base, int64_t off, int bf16, floa
 }
 
 /* One work item: sequence i, kv heads [h0, h0 + nh), all of their query heads. Reads each
- * block's token rows in address order (K, then V) and prefetches the next block's rows. */
+ * block's token rows in address order (K, then V). Software prefetch of the next block measured
+ * slower in the engine (python -m bench.cpu_step). */
 static void item(const float *q, int64_t q_seq_stride, int64_t q_head_stride, int64_t row,
                  const void *k_cache, const void *v_cache, int bf16, const int32_t *bt, int len,
                  float *out, int64_t out_seq_stride, int64_t out_head_stride, int h0, int nh,
@@ -65,7 +66,7 @@ static void item(const float *q, int64_t q_seq_stride, int64_t q_head_stride, in
     const int nq = nh * g_n; /* query heads of this item: h0 * g_n .. */
     float qv[MAX_HQ * MAX_D], acc[MAX_HQ * MAX_D], sc[MAX_HQ * MAX_BS];
     float kt[MAX_D], vt[MAX_D], m[MAX_HQ], l[MAX_HQ];
-    const int64_t tok_stride = (int64_t)hkv * d, esz = bf16 ? 2 : 4;
+    const int64_t tok_stride = (int64_t)hkv * d;
     for (int j = 0; j < nq; j++) {
         const float *qs = q + row * q_seq_stride + (int64_t)(h0 * g_n + j) * q_head_stride;
         for (int c = 0; c < d; c++) {
@@ -78,16 +79,7 @@ static void item(const float *q, int64_t q_seq_stride, int64_t q_head_stride, in
     for (int start = 0; start < len; start += bs) {
         const int cnt = len - start < bs ? len - start : bs;
         const int64_t base = (int64_t)bt[start / bs] * bs * tok_stride + (int64_t)h0 * d;
-        const int64_t next = start + bs < len ? (int64_t)bt[start / bs + 1] * bs * tok_stride + (int64_t)h0 * d : -1;
         for (int t = 0; t < cnt; t++) {
-            if (next >= 0) {
-                const char *nk = (const char *)k_cache + (next + t * tok_stride) * esz;
-                const char *nv = (const char *)v_cache + (next + t * tok_stride) * esz;
-                for (int64_t b = 0; b < nh * d * esz; b += 64) {
-                    __builtin_prefetch(nk + b);
-                    __builtin_prefetch(nv + b);
-                }
-            }
             for (int hh = 0; hh < nh; hh++) {
                 const float *kr = row_f32(k_cache, base + t * tok_stride + hh * d, bf16, kt, d);
                 for (int g = 0; g < g_n; g++) {

@@ -70,6 +70,7 @@ def test_no_packed_copy_no_choice():
 
 @pytest.mark.parametrize("one_row", ["auto", "torch"])
 def test_engine_sets_it_up_and_keeps_greedy_output(one_row, monkeypatch):
+    # the choice applies where the C kernels do not serve one-row matmuls (cpu_kernels=torch)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     # force the packed choice so "auto" exercises it whatever this machine measures
     monkeypatch.setattr(cpu_gemv, "_time", lambda fns, x: {"torch": 2.0, "packed": 1.0})
@@ -77,7 +78,8 @@ def test_engine_sets_it_up_and_keeps_greedy_output(one_row, monkeypatch):
     def run(mode):
         eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
                                   cache=CacheConfig(num_blocks=32),
-                                  device=DeviceConfig(device="cpu", cpu_one_row_matmul=mode)))
+                                  device=DeviceConfig(device="cpu", cpu_one_row_matmul=mode,
+                                                      cpu_kernels="torch")))
         return eng, eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=12, temperature=0.0,
                                                                    ignore_eos=True))
 

@@ -68,3 +68,45 @@ def test_rotary_in_place_on_qkv_views(ops, t):
     torch.testing.assert_close(k, ref_k, rtol=1e-5, atol=1e-5)
     assert torch.equal(v, v_before)  # only q and k rows were touched
     assert not ops.rotary(q.bfloat16(), k.bfloat16(), cos, sin)
+
+
+def test_skinny_gemm_matches_f_linear():
+    from engine.layers import cpu_skinny
+
+    sk = cpu_skinny.make("auto")
+    if sk is None:
+        pytest.skip("C kernels not built here (no compiler)")
+    g = torch.Generator().manual_seed(0)
+    for m in range(1, 9):
+        for n, k in ((50, 33), (48, 576), (1000, 7)):  # tiles with a ragged last one, odd K
+            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            x = torch.randn(m + 2, k, generator=g)[1:m + 1]  # rows inside a larger buffer
+            ref = torch.nn.functional.linear(x, w, b)
+            torch.testing.assert_close(sk(x, cpu_skinny.pack(w), n, b), ref, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(sk(x, cpu_skinny.pack(w.t().contiguous().t()), n),
+                                       ref - b, rtol=1e-5, atol=1e-4)  # any weight strides
+    assert sk(torch.randn(9, 7), cpu_skinny.pack(torch.randn(5, 7)), 5) is None  # 9 rows: not its job
+
+
+def test_engine_serves_decode_rows_through_the_skinny_kernel_with_greedy_output_unchanged(monkeypatch):
+    from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+    from engine.engine import Engine
+    from engine.layers.linear import Linear
+    from engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def run(mode):
+        eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
+                                  cache=CacheConfig(num_blocks=32),
+                                  device=DeviceConfig(device="cpu", cpu_kernels=mode)))
+        return eng, eng.generate([[5, 6, 7, 8, 9], [3, 4]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                           ignore_eos=True))
+
+    eng, out = run("auto")
+    if eng.runner.cpu_skinny is None:
+        pytest.skip("C kernels not built here (no compiler)")
+    lins = [m for m in eng.runner.model.modules() if isinstance(m, Linear)]
+    assert lins and all(m.skinny is not None for m in lins) and eng.runner.skinny_head is not None
+    _, ref = run("torch")
+    assert out == ref
