@@ -121,8 +121,8 @@ class DeviceConfig:
     # per weight shape at load (engine/cpu_gemv.py); "torch": F.linear always
     cpu_one_row_matmul: str = "auto"
     # CPU: the C kernels built here at first use (engine/cpu_native.py): paged attention of decode
-    # rows and short prompts, fp32 matmuls of 1-8 rows (with the packed copies: they replace the
-    # one-row choice), add+RMSNorm, SiLU-and-mul, rotary; auto falls back to
+    # rows and short prompts, fp32 matmuls of 1-64 rows on AVX-512 (with the packed copies: they
+    # replace the one-row choice), add+RMSNorm, SiLU-and-mul, rotary; auto falls back to
     # torch ops without a C compiler, native requires them, torch never builds them
     cpu_kernels: str = "auto"
     # Decode matmuls with at most this many rows run through the fused skinny-GEMM Triton

@@ -129,7 +129,7 @@ class ModelRunner:
             for mod in model.modules():
                 if hasattr(type(mod), "cpu_ops"):
                     mod.cpu_ops = ops
-        if d.cpu_kernels != "torch" and want == "on":  # 1-8 rows: the C kernel's own weight copy
+        if d.cpu_kernels != "torch" and want == "on":  # decode steps: the C kernel's own weight copy
             from engine.layers import cpu_skinny
             from engine.layers.linear import Linear
 
@@ -362,7 +362,7 @@ class ModelRunner:
         if not logits_idx:
             return None
         idx = torch.tensor(logits_idx, dtype=torch.long, device=self.device)
-        if self.skinny_head is not None and len(logits_idx) <= 8:
+        if self.skinny_head is not None and len(logits_idx) <= self.cpu_skinny.max_rows:
             w = self.model.lm_head_weight
             out = self.cpu_skinny(hidden.index_select(0, idx), self.skinny_head, w.shape[0])
             if out is not None:

@@ -1,77 +1,87 @@
-/* fp32 y = x W^T (+ b) for a few rows x (decode: 1-8 rows), built at first use by
- * engine/cpu_native.py. Decode on CPU is bound by streaming the weights, so W is stored in the
- * order this loop reads it: tiles of 16 output columns, each [K][16] contiguous
- * (engine/layers/cpu_skinny.py packs it). A tile is one sequential stream; the M rows' 16
- * accumulators (two chains each, for FMA latency) stay in registers; tiles are split between
- * the OpenMP threads of torch's runtime.
+/* fp32 y = x W^T (+ b) for the few rows of a decode step (1-64), built at first use by
+ * engine/cpu_native.py. W is stored in the order the loop reads it: tiles of 16 output columns,
+ * each [K][16] contiguous (engine/layers/cpu_skinny.py packs it), read two at a time: two
+ * sequential streams while few rows make the loop bound by the weights' bytes, and up to 12 rows
+ * x 32 columns of accumulators in registers (24 of the 32 vector registers) where the FMAs bound
+ * it. Tile pairs are split between the OpenMP threads of torch's runtime.
  */
 #include <stdint.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
 
-#define KERNEL(M)                                                                              \
-    static void tiles_##M(const float *x, int64_t xs, const float *w, const float *bias,       \
-                          float *y, int64_t ys, int K, int N, int64_t t0, int64_t t1) {        \
-        for (int64_t t = t0; t < t1; t++) {                                                    \
-            v16 a0[M], a1[M];                                                                  \
-            for (int m = 0; m < M; m++) {                                                      \
-                a0[m] = (v16){0};                                                              \
-                a1[m] = (v16){0};                                                              \
-            }                                                                                  \
-            const float *wt = w + t * (int64_t)K * 16;                                         \
-            int k = 0;                                                                         \
-            for (; k + 1 < K; k += 2) {                                                        \
-                v16 w0, w1;                                                                    \
-                memcpy(&w0, wt + (int64_t)k * 16, 64);                                         \
-                memcpy(&w1, wt + (int64_t)k * 16 + 16, 64);                                    \
-                for (int m = 0; m < M; m++) {                                                  \
-                    a0[m] += x[m * xs + k] * w0;                                               \
-                    a1[m] += x[m * xs + k + 1] * w1;                                           \
-                }                                                                              \
-            }                                                                                  \
-            if (k < K) {                                                                       \
-                v16 w0;                                                                        \
-                memcpy(&w0, wt + (int64_t)k * 16, 64);                                         \
-                for (int m = 0; m < M; m++)                                                    \
-                    a0[m] += x[m * xs + k] * w0;                                               \
-            }                                                                                  \
-            const int64_t n0 = t * 16;                                                         \
-            const int cnt = N - n0 < 16 ? (int)(N - n0) : 16;                                  \
-            for (int m = 0; m < M; m++) {                                                      \
-                v16 r = a0[m] + a1[m];                                                         \
-                if (bias) {                                                                    \
-                    v16 b = (v16){0};                                                          \
-                    memcpy(&b, bias + n0, (size_t)cnt * 4);                                    \
-                    r += b;                                                                    \
-                }                                                                              \
-                memcpy(y + m * ys + n0, &r, (size_t)cnt * 4);                                  \
+/* rows per register block: 12 x 2 x 16 accumulators fill 24 of AVX-512's 32 registers; a
+ * narrower ISA would spill them, so there the engine keeps oneDNN (splitserve_gemm_rows_block) */
+#ifdef __AVX512F__
+#define ROWS 12
+#else
+#define ROWS 2
+#endif
+
+int splitserve_gemm_rows_block(void) { return ROWS; }
+
+/* R rows (R x 32 accumulators in registers) against one tile pair; the pair stays in L2 between
+ * the blocks of 12 rows. */
+#define KERNEL2(R)                                                                             \
+    static void pair_##R(const float *x, int64_t xs, const float *w0p, const float *w1p,      \
+                         float *acc0, float *acc1, int K) {                                    \
+        v16 a[R], b[R];                                                                        \
+        for (int m = 0; m < R; m++) {                                                          \
+            a[m] = (v16){0};                                                                   \
+            b[m] = (v16){0};                                                                   \
+        }                                                                                      \
+        for (int k = 0; k < K; k++) {                                                          \
+            v16 w0, w1;                                                                        \
+            memcpy(&w0, w0p + (int64_t)k * 16, 64);                                            \
+            memcpy(&w1, w1p + (int64_t)k * 16, 64);                                            \
+            for (int m = 0; m < R; m++) {                                                      \
+                const float xv = x[m * xs + k];                                                \
+                a[m] += xv * w0;                                                               \
+                b[m] += xv * w1;                                                               \
             }                                                                                  \
         }                                                                                      \
+        memcpy(acc0, a, sizeof a);                                                             \
+        memcpy(acc1, b, sizeof b);                                                             \
     }
 
-KERNEL(1)
-KERNEL(2)
-KERNEL(3)
-KERNEL(4)
-KERNEL(5)
-KERNEL(6)
-KERNEL(7)
-KERNEL(8)
+KERNEL2(1)
+KERNEL2(2)
+KERNEL2(3)
+KERNEL2(4)
+KERNEL2(5)
+KERNEL2(6)
+KERNEL2(7)
+KERNEL2(8)
+KERNEL2(9)
+KERNEL2(10)
+KERNEL2(11)
+KERNEL2(12)
 
-typedef void (*tiles_fn)(const float *, int64_t, const float *, const float *, float *, int64_t,
-                         int, int, int64_t, int64_t);
-static const tiles_fn TILES[9] = {0, tiles_1, tiles_2, tiles_3, tiles_4,
-                                  tiles_5, tiles_6, tiles_7, tiles_8};
+typedef void (*pair_fn)(const float *, int64_t, const float *, const float *, float *, float *, int);
+static const pair_fn PAIRS[13] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6,
+                                  pair_7, pair_8, pair_9, pair_10, pair_11, pair_12};
 
-/* x [M, K] (row stride xs), w packed [ceil(N / 16), K, 16], bias [N] or NULL, y [M, N] (row
- * stride ys). Returns 0, or -1 for M outside 1..8. */
-int splitserve_skinny_gemm(const float *x, int64_t xs, const float *w, const float *bias, float *y,
-                           int64_t ys, int M, int K, int N, int nthreads) {
-    if (M < 1 || M > 8)
+static void store(float *y, int64_t ys, const v16 *acc, int rows, const float *bias, int64_t n0,
+                  int N) {
+    const int cnt = N - n0 < 16 ? (int)(N - n0) : 16;
+    if (cnt <= 0)
+        return;
+    v16 b = (v16){0};
+    if (bias)
+        memcpy(&b, bias + n0, (size_t)cnt * 4);
+    for (int m = 0; m < rows; m++) {
+        v16 r = acc[m] + b;
+        memcpy(y + m * ys + n0, &r, (size_t)cnt * 4);
+    }
+}
+
+/* x [M, K] (row stride xs), any M >= 1, w packed [2 * ceil(N / 32), K, 16] (tiles
+ * are read in pairs), bias [N] or NULL, y [M, N] (row stride ys). */
+int splitserve_gemm_rows(const float *x, int64_t xs, const float *w, const float *bias, float *y,
+                         int64_t ys, int M, int K, int N, int nthreads) {
+    if (M < 1)
         return -1;
-    const int64_t tiles = (N + 15) / 16;
-    const tiles_fn fn = TILES[M];
+    const int64_t pairs = (N + 31) / 32;
 #pragma omp parallel num_threads(nthreads)
     {
         int id = 0, nt = 1;
@@ -80,7 +90,16 @@ int splitserve_skinny_gemm(const float *x, int64_t xs, const float *w, const flo
         id = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        fn(x, xs, w, bias, y, ys, K, N, tiles * id / nt, tiles * (id + 1) / nt);
+        v16 acc0[12], acc1[12];
+        for (int64_t p = pairs * id / nt; p < pairs * (id + 1) / nt; p++) {
+            const float *w0p = w + 2 * p * (int64_t)K * 16, *w1p = w0p + (int64_t)K * 16;
+            for (int m0 = 0; m0 < M; m0 += ROWS) {
+                const int r = M - m0 < ROWS ? M - m0 : ROWS;
+                PAIRS[r](x + m0 * xs, xs, w0p, w1p, (float *)acc0, (float *)acc1, K);
+                store(y + m0 * ys, ys, acc0, r, bias, 32 * p, N);
+                store(y + m0 * ys, ys, acc1, r, bias, 32 * p + 16, N);
+            }
+        }
     }
     return 0;
 }

@@ -25,13 +25,13 @@ class Linear(torch.nn.Module):
         # at least packed_min_rows rows (1 where it measured faster at one row: engine/cpu_gemv.py)
         self.packed: torch.Tensor | None = None
         self.packed_min_rows = 2
-        # CPU fp32: the weight in the C kernel's tile order and the kernel, for 1-8 rows
-        # (engine/layers/cpu_skinny.py); set by the runner
+        # CPU fp32: the weight in the C kernel's tile order and the kernel, for steps of up to
+        # cpu_skinny.max_rows rows (engine/layers/cpu_skinny.py); set by the runner
         self.skinny: torch.Tensor | None = None
         self.cpu_skinny = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny is not None and x.shape[0] <= 8:
+        if self.skinny is not None and x.shape[0] <= self.cpu_skinny.max_rows:
             y = self.cpu_skinny(x, self.skinny, self.out_features, self.bias)
             if y is not None:
                 return y
