@@ -73,7 +73,7 @@ def _check(case) -> None:
     if r.status_code >= 400:
         err = r.json()["error"]
         assert err["message"] and err["type"], r.text
-    elif "text/event-stream" in r.headers.get("content-type", ""):
+    elif "text/event-stream" in " ".join(r.headers.get("content-type") or []):  # list values
         assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
     else:
         assert isinstance(r.json(), dict), r.text[:300]
