@@ -78,6 +78,22 @@ def _build(cc: str, src: Path, out_dir: Path) -> Path:
     raise RuntimeError("; ".join(errors))
 
 
+MODES = ("auto", "native", "torch")
+
+
+def library(mode: str, src: Path = SRC) -> ctypes.CDLL | None:
+    """DeviceConfig.cpu_kernels -> the built library or None: auto = when it builds here,
+    native = it must (RuntimeError naming why not), torch = never built."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_kernels must be one of {MODES}, got {mode!r}")
+    if mode == "torch":
+        return None
+    lib, why = load(src)
+    if lib is None and mode == "native":
+        raise RuntimeError(f"cpu_kernels=native: {why}")
+    return lib
+
+
 def load(src: Path = SRC) -> tuple[ctypes.CDLL | None, str]:
     """(library, "") or (None, why not). Built once a process (and once a machine, cached)."""
     with _lock:

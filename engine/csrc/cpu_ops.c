@@ -7,10 +7,17 @@
 #include <stdint.h>
 #include <string.h>
 
-/* rows [t0, t1) of T for thread `id` of `nt` */
-#define SPLIT(T, id, nt, t0, t1)                          \
-    const int64_t t0 = (int64_t)(T) * (id) / (nt);        \
-    const int64_t t1 = (int64_t)(T) * ((id) + 1) / (nt)
+/* rows [*t0, *t1) of T for the calling thread of the current parallel region */
+static inline void thread_rows(int64_t T, int64_t *t0, int64_t *t1) {
+    int id = 0, nt = 1;
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void), omp_get_num_threads(void);
+    id = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    *t0 = T * id / nt;
+    *t1 = T * (id + 1) / nt;
+}
 
 static inline float exp_any(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
@@ -32,13 +39,8 @@ void splitserve_rms_norm(const float *x, int64_t xs, const float *res, int64_t r
                          float eps, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
-        int id = 0, nt = 1;
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
-        id = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        SPLIT(T, id, nt, t0, t1);
+        int64_t t0, t1;
+        thread_rows(T, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
             const float *xr = x + t * xs;
             float *o = out + t * os;
@@ -67,13 +69,8 @@ void splitserve_silu_mul(const float *x, int64_t xs, float *out, int64_t os, int
                          int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
-        int id = 0, nt = 1;
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
-        id = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        SPLIT(T, id, nt, t0, t1);
+        int64_t t0, t1;
+        thread_rows(T, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
             const float *g = x + t * xs, *u = g + I;
             float *o = out + t * os;
@@ -92,13 +89,8 @@ void splitserve_rotary(float *q, int64_t qs, int64_t qh, int hq, float *k, int64
     const int half = D / 2;
 #pragma omp parallel num_threads(nthreads)
     {
-        int id = 0, nt = 1;
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
-        id = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        SPLIT(T, id, nt, t0, t1);
+        int64_t t0, t1;
+        thread_rows(T, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
             const float *c = cos_ + t * cs, *s = sin_ + t * cs;
             for (int h = 0; h < hq + hkv; h++) {

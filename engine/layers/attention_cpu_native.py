@@ -7,15 +7,11 @@ Measure: python -m bench.cpu_step --variant torch:cpu_kernels=torch --variant na
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
 from engine import cpu_native
 
-log = logging.getLogger("splitserve.engine.cpu_native")
-
-CPU_KERNELS = ("auto", "native", "torch")
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -62,13 +58,5 @@ class NativeDecode:
 def make(mode: str) -> NativeDecode | None:
     """mode auto: the C kernel when it builds here, else None (torch ops); native: it must build;
     torch: None."""
-    if mode not in CPU_KERNELS:
-        raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {mode!r}")
-    if mode == "torch":
-        return None
-    lib, why = cpu_native.load()
-    if lib is None:
-        if mode == "native":
-            raise RuntimeError(f"cpu_kernels=native: {why}")
-        return None
-    return NativeDecode(lib)
+    lib = cpu_native.library(mode)
+    return None if lib is None else NativeDecode(lib)

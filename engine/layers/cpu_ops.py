@@ -79,11 +79,5 @@ class CpuOps:
 
 def make(mode: str) -> CpuOps | None:
     """mode auto: CpuOps when the kernels build here, else None; native: they must; torch: None."""
-    if mode == "torch":
-        return None
-    lib, why = cpu_native.load(SRC)
-    if lib is None:
-        if mode == "native":
-            raise RuntimeError(f"cpu_kernels=native: {why}")
-        return None
-    return CpuOps(lib)
+    lib = cpu_native.library(mode, SRC)
+    return None if lib is None else CpuOps(lib)

@@ -54,12 +54,8 @@ class SkinnyGemm:
 def make(mode: str) -> SkinnyGemm | None:
     """mode auto: the kernel when it builds here with AVX-512 (its register blocking needs 32
     vector registers), else None; native: it must build; torch: None."""
-    if mode == "torch":
-        return None
-    lib, why = cpu_native.load(SRC)
+    lib = cpu_native.library(mode, SRC)
     if lib is None:
-        if mode == "native":
-            raise RuntimeError(f"cpu_kernels=native: {why}")
         return None
     if lib.splitserve_gemm_rows_block() < 12:  # no AVX-512 here: oneDNN's GEMM serves
         return None
