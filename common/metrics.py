@@ -118,6 +118,12 @@ class ServiceMetrics:
             "splitserve_engine_overlapped_steps",
             "Model steps launched before the previous step's tokens reached the host",
             registry=r("engine"))
+        self.yield_seconds = Counter(
+            "splitserve_decode_yield_seconds",
+            "Time decode held its steps back for a prefill sharing its device", registry=r("engine"))
+        self.yielded_steps = Counter(
+            "splitserve_decode_yielded_steps",
+            "Decode steps held back for a prefill sharing the device", registry=r("engine"))
         # --- KV transfer
         self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved",
                                          ["direction"], registry=r("kv"))  # direction: send|recv
@@ -235,6 +241,8 @@ class ServiceMetrics:
         self._sync_counter("num_steps", self.engine_steps, stats.get("num_steps"))
         self._sync_counter("num_preemptions", self.preemptions, stats.get("num_preemptions"))
         self._sync_counter("num_overlapped_steps", self.overlapped_steps, stats.get("num_overlapped_steps"))
+        self._sync_counter("yield_s", self.yield_seconds, stats.get("yield_seconds_total"))
+        self._sync_counter("yielded_steps", self.yielded_steps, stats.get("num_yielded_steps"))
         self._sync_counter("graph_replays", self.cuda_graph_replays,
                            stats.get("cuda_graph_replay_total"))
         self._sync_counter("graph_fallbacks", self.cuda_graph_fallbacks,

@@ -27,7 +27,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transfer-timeout-s", type=float,
                    default=env_float("SPLITSERVE_TRANSFER_TIMEOUT_S", 30.0),
                    help="how long a Decode call waits for its KV")
+    p.add_argument("--prefill-yield-ratio", type=float,
+                   default=env_float("SPLITSERVE_PREFILL_YIELD_RATIO", 6.0),
+                   help="while a prefill on this device has prompts for us in flight, start "
+                        "steps at most every this many step times (0: never yield)")
+    p.add_argument("--prefill-yield-max-ms", type=float,
+                   default=env_float("SPLITSERVE_PREFILL_YIELD_MAX_MS", 50.0),
+                   help="the longest gap between steps while yielding (also capped at half the "
+                        "tightest TPOT budget of the running requests)")
     a = p.parse_args(argv)
+    for k in ("prefill_yield_ratio", "prefill_yield_max_ms"):
+        v = getattr(a, k)
+        if not (v >= 0 and v < float("inf")):
+            p.error(f"--{k.replace('_', '-')} must be a finite number >= 0, got {v}")
     if a.reserve_ttl_s <= 0:
         p.error(f"--reserve-ttl-s must be > 0, got {a.reserve_ttl_s}")
     return a
@@ -37,6 +49,7 @@ async def amain(args) -> int:
     from common import runtime, telemetry
     from common.metrics import get_metrics
     from decode_svc.kv_sink import EngineKVSink
+    from decode_svc.pacing import StepPacer
     from decode_svc.servicer import SERVICE_NAME, DecodeServicer
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout, KVReceiver
@@ -94,6 +107,10 @@ async def amain(args) -> int:
                                     guard=guard)
             accepted = [pool_backend_for(info["device"])] + accepted
             pair = pair or local_endpoint(info["device"])
+            importer.device_id = device_id(pair)
+            # a prefill mapped here shares our device: hold steps back while it works for us
+            engine.pacer = StepPacer(args.prefill_yield_ratio, args.prefill_yield_max_ms / 1e3,
+                                     lambda: rx.num_awaiting > 0 and importer.num_local_peers > 0)
         svc = DecodeServicer(engine, rx, get_metrics("decode"),
                              reservation_timeout_s=args.reservation_timeout_s,
                              transfer_timeout_s=args.transfer_timeout_s, owner=owner,

@@ -62,6 +62,8 @@ class StreamingMixin:
                 return
             pump_task = asyncio.get_running_loop().create_task(pump())
             self._running[rid] = (pump_task, q)
+            if self.engine.pacer is not None:
+                self.engine.pacer.add_budget(rid, request.tpot_ms)
             held = None  # an item _coalesce took but could not merge: the next one to handle
             while True:
                 out, held = _coalesce(held if held is not None else await q.get(), q)
@@ -116,6 +118,8 @@ class StreamingMixin:
             if self._running.get(rid, (None,))[0] is pump_task:
                 self._running.pop(rid, None)
                 self._callers.pop(rid, None)
+                if self.engine.pacer is not None:
+                    self.engine.pacer.drop_budget(rid)
             if pump_task is not None and not pump_task.done():
                 pump_task.cancel()  # closing the engine stream aborts the request
                 # NOTE: if add_prefilled was still queued, the abort below runs after it (FIFO)

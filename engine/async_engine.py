@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from typing import AsyncIterator, Callable, Mapping, TypeVar
 
@@ -39,6 +40,9 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats: dict = {}
+        # paces the steps (decode_svc.pacing.StepPacer: yield the device to a prefill that
+        # shares it): delay(now, step_times) -> s, stepped(now, waited_s), stats(); engine thread
+        self.pacer = None
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -50,7 +54,7 @@ class AsyncEngine:
             try:
                 if self.engine is None:
                     self.engine = Engine(self.cfg)
-                self._stats = self.engine.stats()
+                self._stats = self._snapshot()
                 loop.call_soon_threadsafe(_set_result, ready, None)
             except BaseException as e:  # noqa: BLE001 - reported to the caller
                 loop.call_soon_threadsafe(_set_exception, ready, e)
@@ -259,12 +263,17 @@ class AsyncEngine:
 
     def _run(self) -> None:
         eng = self.engine
+        held = None  # when the pacer first held the coming step back
         try:
             while not self._stopping:
-                # block for work only when idle
-                block = not eng.has_unfinished()
+                pacer = self.pacer  # set by the service once it is built
+                # block for work when idle, or for the rest of the pacer's hold
+                now = time.perf_counter()
+                wait = self._hold(pacer, now) if eng.has_unfinished() else 0.5
+                if wait > 0 and held is None and pacer is not None and eng.has_unfinished():
+                    held = now
                 try:
-                    cmd = self._cmds.get(block=block, timeout=0.5 if block else None)
+                    cmd = self._cmds.get(block=wait > 0, timeout=wait if wait > 0 else None)
                     if not self._run_cmd(cmd):
                         break
                     while True:
@@ -274,17 +283,33 @@ class AsyncEngine:
                     pass
                 self.profiler.tick()
                 if eng.has_unfinished():
+                    if pacer is not None:
+                        now = time.perf_counter()
+                        if self._hold(pacer, now) > 0:
+                            continue
+                        pacer.stepped(now, now - held if held is not None else 0.0)
+                        held = None
                     with self.profiler.step():
                         outs = eng.step()
                     self._deliver_all(outs)
-                    self._stats = eng.stats()
-                else:
-                    self._stats = eng.stats()
+                self._stats = self._snapshot()
         except BaseException as e:  # noqa: BLE001 - every waiting stream gets the error
             log.exception("engine thread crashed")
             self._dead = e
             for rid, (loop, q) in list(self._streams.items()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _hold(self, pacer, now: float | None = None) -> float:
+        """Seconds the pacer holds the next step back (0 without one)."""
+        if pacer is None:
+            return 0.0
+        runner = getattr(self.engine, "runner", None)
+        return pacer.delay(time.perf_counter() if now is None else now,
+                           getattr(runner, "step_times", None) or [])
+
+    def _snapshot(self) -> dict:
+        st = self.engine.stats()
+        return st if self.pacer is None else {**st, **self.pacer.stats()}
 
     def _deliver_all(self, outs: list[RequestOutput]) -> None:
         """One wake-up of each event loop per step, not one per output (a 64-row step would

@@ -305,7 +305,8 @@ class GatewayCore(AdmitPath, Downstream):
                     prompt_token_ids=req.prompt_token_ids,
                     first_token_id=pre.first_token_id if pre is not None else 0,
                     params=request_params_pb(params), detokenize=False,
-                    transfer_timeout_ms=self.transfer_timeout_ms, prefill_here=pre is None))
+                    transfer_timeout_ms=self.transfer_timeout_ms, prefill_here=pre is None,
+                    tpot_ms=_budget_ms(self._slos(req)[1])))
                 t_last = time.monotonic()
                 async for resp in call:
                     ids = list(resp.token_ids)
@@ -355,3 +356,8 @@ class GatewayCore(AdmitPath, Downstream):
             if not done:
                 self._abort(dec, req.request_id, ticket.transfer_id if ticket else "",
                             "client went away")
+
+
+def _budget_ms(tpot_slo_ms: float | None) -> int:
+    """DecodeRequest.tpot_ms: whole milliseconds, 0 for none."""
+    return 0 if tpot_slo_ms is None or tpot_slo_ms <= 0 else max(1, min(int(tpot_slo_ms), 2**32 - 1))

@@ -55,6 +55,9 @@ class KVReceiver:
         self._reaper: asyncio.Task | None = None
         self.num_failed = 0
         self.num_done = 0
+        # transfers whose KV has not landed (neither DONE nor FAILED); an int other threads
+        # may read (decode's step pacer)
+        self.num_awaiting = 0
 
     # ---- decode-service side ---------------------------------------------------------
     def expect(self, transfer_id: str, request_id: str, num_blocks: int, num_tokens: int,
@@ -70,6 +73,7 @@ class KVReceiver:
         self._transfers[transfer_id] = t
         self._meta[transfer_id] = (num_blocks, num_tokens)
         self._events[transfer_id] = asyncio.Event()
+        self.num_awaiting += 1
         self._ensure_reaper()
         return t
 
@@ -120,6 +124,8 @@ class KVReceiver:
         t = self._transfers.get(transfer_id)
         if t is None or t.claimed or t.state is TransferState.FAILED:
             return False
+        if t.state is not TransferState.DONE:
+            self.num_awaiting -= 1
         t.state = TransferState.FAILED
         t.error = reason
         t.finished_at = time.monotonic()
@@ -206,6 +212,7 @@ class KVReceiver:
         t.state = TransferState.DONE
         t.finished_at = time.monotonic()
         self.num_done += 1
+        self.num_awaiting -= 1
         self._events[transfer_id].set()
         return t
 

@@ -22,8 +22,12 @@ for s in ${*:-vmm pool pd}; do
       timeout 120 python3 -m bench.kv_pool --device cuda:0 2>&1 | tee "$OUT/kv_pool.log" | tail -9 ;;
     pd)
       for m in ${MODELS:-dummy:llama-3.2-1b dummy:llama-3.1-8b}; do
-        timeout 280 python3 -m bench.pd_system --model "$m" --device cuda ${PD_ARGS:-} 2>&1 \
-          | tee "$OUT/pd_$(echo "$m" | tr -c 'a-z0-9\n' '_').log" | grep -v "^\[\|splitserve\." | tail -30
+        for r in ${YIELD_RATIOS:-default}; do  # decode's --prefill-yield-ratio (default: its own)
+          [ "$r" = default ] && unset SPLITSERVE_PREFILL_YIELD_RATIO || export SPLITSERVE_PREFILL_YIELD_RATIO=$r
+          echo "== $m, prefill yield ratio $r"
+          timeout 280 python3 -m bench.pd_system --model "$m" --device cuda ${PD_ARGS:-} 2>&1 \
+            | tee "$OUT/pd_$(echo "$m" | tr -c 'a-z0-9\n' '_')_y$r.log" | grep -v "^\[\|splitserve\." | tail -${PD_TAIL:-30}
+        done
       done ;;
   esac
   echo "== $s: $(( $(date +%s) - t0 )) s"

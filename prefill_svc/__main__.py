@@ -33,7 +33,8 @@ async def amain(args) -> int:
     from engine.async_engine import AsyncEngine
     from kvtransfer import KVLayout
     from kvtransfer.backends.grpc import GrpcKVSender
-    from kvtransfer.endpoint import BACKENDS, backend_unavailable, local_endpoint, pool_backend_for
+    from kvtransfer.endpoint import (BACKENDS, backend_unavailable, device_id, local_endpoint,
+                                     pool_backend_for)
     from prefill_svc.kv_push import KVPusher
     from prefill_svc.servicer import SERVICE_NAME, PrefillServicer
     from protos import prefill_pb2_grpc
@@ -69,7 +70,8 @@ async def amain(args) -> int:
             from kvtransfer.backends.pool_share import PoolServer
 
             server_info = {"num_layers": info["num_layers"], "num_blocks": info["num_blocks"],
-                           "block_bytes": layout.layer_nbytes(1) // 2}
+                           "block_bytes": layout.layer_nbytes(1) // 2,
+                           "device_id": device_id(local)}  # decode yields to a prefill on its device
             name = pool_backend_for(info["device"])
             senders[name] = PoolKVSender(PoolServer(pool, server_info), name, auth=auth)
         metrics = get_metrics("prefill")

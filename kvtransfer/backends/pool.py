@@ -97,7 +97,8 @@ class PoolImporter:
     `guard` (the one decode's GuardedSink waits on; a fresh one when none is given)."""
 
     def __init__(self, receiver: KVReceiver, dst_blocks: torch.Tensor, block_ids_of, device,
-                 attach_timeout_s: float = 5.0, guard: InflightGuard | None = None):
+                 attach_timeout_s: float = 5.0, guard: InflightGuard | None = None,
+                 device_id: str = ""):
         self.receiver = receiver
         self.dst = dst_blocks                  # decode's pool: uint8 [layers * 2, blocks, block_bytes]
         self.block_ids_of = block_ids_of       # async (request_id) -> reserved block ids
@@ -109,6 +110,13 @@ class PoolImporter:
         self._attaching: dict[str, asyncio.Task] = {}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.bytes_moved = 0
+        self.device_id = device_id             # LoadStats.device_id of our KV cache's device
+        # mapped pools whose owner runs on our device (it time-slices the device with us); an
+        # int other threads may read (decode's step pacer)
+        self.num_local_peers = 0
+
+    def _local(self, p: PeerPool) -> bool:
+        return bool(self.device_id) and p.info.get("device_id") == self.device_id
 
     async def _peer(self, address: str, pool_id: str) -> PeerPool:
         p = self.peers.get(address)
@@ -127,6 +135,8 @@ class PoolImporter:
             self._check_layout(p)
             loop = asyncio.get_running_loop()
             p.on_dead = lambda a=address: loop.call_soon_threadsafe(self._drop, a)
+            old = self.peers.get(address)  # replaced while a copy from it runs
+            self.num_local_peers += self._local(p) - (old is not None and self._local(old))
             self.peers[address] = p
             log.info("kv pool %s mapped (%s, %.1f MiB)", address, p.pool.kind, p.pool.meta.nbytes / 2**20)
         if p.pool_id != pool_id:
@@ -146,6 +156,7 @@ class PoolImporter:
             return
         if self._users.get(address, 0) == 0:
             self.peers.pop(address, None)
+            self.num_local_peers -= self._local(p)
             p.close()
             log.info("kv pool %s unmapped (its owner is gone or replaced)", address)
         # else: the last copy from it unmaps it (_copy_done)
@@ -207,3 +218,4 @@ class PoolImporter:
     def close(self) -> None:
         for a in list(self.peers):
             self.peers.pop(a).close()
+        self.num_local_peers = 0
