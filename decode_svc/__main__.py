@@ -9,6 +9,11 @@ from common.grpc_util import service_main
 from common.service_args import (add_engine_args, add_kv_transfer_args, add_server_args,
                                  engine_config_from_args, kv_backend_from_args, pair_host)
 
+# GPU: a step is one weight read, so yielding costs decode little and gives prefill the GPU
+# (`python -m bench.pd_system`, 64-client case). CPU: a step is compute on the cores prefill
+# shares, and spacing steps slowed decode without speeding prefill up (same bench): no yield.
+GPU_YIELD_RATIO = 6.0
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m decode_svc", description=__doc__)
@@ -28,9 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=env_float("SPLITSERVE_TRANSFER_TIMEOUT_S", 30.0),
                    help="how long a Decode call waits for its KV")
     p.add_argument("--prefill-yield-ratio", type=float,
-                   default=env_float("SPLITSERVE_PREFILL_YIELD_RATIO", 6.0),
+                   default=env_float("SPLITSERVE_PREFILL_YIELD_RATIO", None),
                    help="while a prefill on this device has prompts for us in flight, start "
-                        "steps at most every this many step times (0: never yield)")
+                        "steps at most every this many step times (0: never yield; default 6 on "
+                        "a GPU, 0 on CPU, where a step is not one weight read but compute)")
     p.add_argument("--prefill-yield-max-ms", type=float,
                    default=env_float("SPLITSERVE_PREFILL_YIELD_MAX_MS", 50.0),
                    help="the longest gap between steps while yielding (also capped at half the "
@@ -38,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     for k in ("prefill_yield_ratio", "prefill_yield_max_ms"):
         v = getattr(a, k)
-        if not (v >= 0 and v < float("inf")):
+        if v is not None and not (v >= 0 and v < float("inf")):
             p.error(f"--{k.replace('_', '-')} must be a finite number >= 0, got {v}")
     if a.reserve_ttl_s <= 0:
         p.error(f"--reserve-ttl-s must be > 0, got {a.reserve_ttl_s}")
@@ -109,7 +115,10 @@ async def amain(args) -> int:
             pair = pair or local_endpoint(info["device"])
             importer.device_id = device_id(pair)
             # a prefill mapped here shares our device: hold steps back while it works for us
-            engine.pacer = StepPacer(args.prefill_yield_ratio, args.prefill_yield_max_ms / 1e3,
+            ratio = args.prefill_yield_ratio
+            if ratio is None:
+                ratio = GPU_YIELD_RATIO if info["device"].startswith("cuda") else 0.0
+            engine.pacer = StepPacer(ratio, args.prefill_yield_max_ms / 1e3,
                                      lambda: rx.num_awaiting > 0 and importer.num_local_peers > 0)
         svc = DecodeServicer(engine, rx, get_metrics("decode"),
                              reservation_timeout_s=args.reservation_timeout_s,
