@@ -62,8 +62,9 @@ class StreamingMixin:
                 return
             pump_task = asyncio.get_running_loop().create_task(pump())
             self._running[rid] = (pump_task, q)
-            if self.engine.pacer is not None:
-                self.engine.pacer.add_budget(rid, request.tpot_ms)
+            pacer = getattr(self.engine, "pacer", None)  # decode_svc.pacing.StepPacer
+            if pacer is not None:
+                pacer.add_budget(rid, request.tpot_ms)
             held = None  # an item _coalesce took but could not merge: the next one to handle
             while True:
                 out, held = _coalesce(held if held is not None else await q.get(), q)
@@ -118,7 +119,7 @@ class StreamingMixin:
             if self._running.get(rid, (None,))[0] is pump_task:
                 self._running.pop(rid, None)
                 self._callers.pop(rid, None)
-                if self.engine.pacer is not None:
+                if getattr(self.engine, "pacer", None) is not None:
                     self.engine.pacer.drop_budget(rid)
             if pump_task is not None and not pump_task.done():
                 pump_task.cancel()  # closing the engine stream aborts the request
