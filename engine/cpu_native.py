@@ -59,7 +59,9 @@ def cache_dir() -> Path:
 
 def _build(cc: str, src: Path, out_dir: Path) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(src.read_bytes() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    # the headers it may include are part of what is built (a header edit must rebuild)
+    parts = [src.read_bytes()] + [h.read_bytes() for h in sorted(src.parent.glob("*.h"))]
+    key = hashlib.sha256(b"".join(parts) + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = out_dir / f"{src.stem}-{key}.so"
     if target.exists():
         return target

@@ -3,34 +3,7 @@
  * one per op, and one call instead of one dispatch per op). Rows are split over the OpenMP
  * threads of torch's runtime. Rows are addressed by a stride; the last dimension is contiguous.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-/* rows [*t0, *t1) of T for the calling thread of the current parallel region */
-static inline void thread_rows(int64_t T, int64_t *t0, int64_t *t1) {
-    int id = 0, nt = 1;
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void), omp_get_num_threads(void);
-    id = omp_get_thread_num();
-    nt = omp_get_num_threads();
-#endif
-    *t0 = T * id / nt;
-    *t1 = T * (id + 1) / nt;
-}
-
-static inline float exp_any(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float t = x * 1.4426950408889634f;
-    float fi = floorf(t + 0.5f);
-    float f = (t - fi) * 0.6931471805599453f;
-    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f
-              + f * (8.3333338e-3f + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
-    int32_t e = ((int32_t)fi + 127) << 23;
-    float s;
-    memcpy(&s, &e, sizeof s);
-    return p * s;
-}
+#include "cpu_common.h"
 
 /* out = w * x / sqrt(mean(x^2) + eps) per row; with res (not NULL): x + res is normalized and
  * written to res_out first (the pre-norm residual stream). */
@@ -40,7 +13,7 @@ void splitserve_rms_norm(const float *x, int64_t xs, const float *res, int64_t r
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t t0, t1;
-        thread_rows(T, &t0, &t1);
+        thread_range(T, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
             const float *xr = x + t * xs;
             float *o = out + t * os;
@@ -70,13 +43,13 @@ void splitserve_silu_mul(const float *x, int64_t xs, float *out, int64_t os, int
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t t0, t1;
-        thread_rows(T, &t0, &t1);
+        thread_range(T, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
             const float *g = x + t * xs, *u = g + I;
             float *o = out + t * os;
 #pragma omp simd
             for (int i = 0; i < I; i++)
-                o[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
+                o[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
         }
     }
 }
@@ -90,7 +63,7 @@ void splitserve_rotary(float *q, int64_t qs, int64_t qh, int hq, float *k, int64
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t t0, t1;
-        thread_rows(T, &t0, &t1);
+        thread_range(T, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
             const float *c = cos_ + t * cs, *s = sin_ + t * cs;
             for (int h = 0; h < hq + hkv; h++) {

@@ -7,9 +7,7 @@
  * sharing each K / V row they read. Work items are (sequence, kv head) pairs, spread over the
  * OpenMP threads of the runtime torch already loaded (same libgomp soname: one thread pool).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "cpu_common.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 /* flush denormals to zero inside the kernel (restored on return): a softmax weight near e^-87
@@ -25,24 +23,8 @@
 #define MAX_D 256
 #define MAX_BS 256
 /* the running max before any score: finite, so the build may assume finite math; its
- * correction factor exp_neg(NO_MAX - s) is 0 */
+ * correction factor fast_exp(NO_MAX - s) is 0 */
 #define NO_MAX (-1e30f)
-
-/* e^x for x <= 0, relative error ~1e-7: 2^(x log2 e) split into an integer power (exponent
- * bits) and a fraction in [-0.5, 0.5] (Taylor series of 2^f to degree 7). Plain arithmetic, so
- * the loops that call it vectorize. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.4426950408889634f;
-    float fi = floorf(t + 0.5f);
-    float f = (t - fi) * 0.6931471805599453f;
-    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f
-              + f * (8.3333338e-3f + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
-    int32_t e = ((int32_t)fi + 127) << 23;
-    float s;
-    memcpy(&s, &e, sizeof s);
-    return p * s;
-}
 
 static inline const float *row_f32(const void *base, int64_t off, int bf16, float *tmp, int d) {
     if (!bf16)
@@ -97,11 +79,11 @@ static void item(const float *q, int64_t q_seq_stride, int64_t q_head_stride, in
             float mx = m[j];
             for (int t = 0; t < cnt; t++)
                 mx = sj[t] > mx ? sj[t] : mx;
-            const float corr = exp_neg(m[j] - mx); /* 0 while m[j] is NO_MAX */
+            const float corr = fast_exp(m[j] - mx); /* 0 while m[j] is NO_MAX */
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int t = 0; t < cnt; t++) {
-                const float p = exp_neg(sj[t] - mx);
+                const float p = fast_exp(sj[t] - mx);
                 sj[t] = p;
                 sum += p;
             }

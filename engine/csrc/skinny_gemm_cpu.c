@@ -5,8 +5,7 @@
  * x 32 columns of accumulators in registers (24 of the 32 vector registers) where the FMAs bound
  * it. Tile pairs are split between the OpenMP threads of torch's runtime.
  */
-#include <stdint.h>
-#include <string.h>
+#include "cpu_common.h"
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -84,14 +83,10 @@ int splitserve_gemm_rows(const float *x, int64_t xs, const float *w, const float
     const int64_t pairs = (N + 31) / 32;
 #pragma omp parallel num_threads(nthreads)
     {
-        int id = 0, nt = 1;
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
-        id = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+        int64_t p0, p1;
+        thread_range(pairs, &p0, &p1);
         v16 acc0[12], acc1[12];
-        for (int64_t p = pairs * id / nt; p < pairs * (id + 1) / nt; p++) {
+        for (int64_t p = p0; p < p1; p++) {
             const float *w0p = w + 2 * p * (int64_t)K * 16, *w1p = w0p + (int64_t)K * 16;
             for (int m0 = 0; m0 < M; m0 += ROWS) {
                 const int r = M - m0 < ROWS ? M - m0 : ROWS;

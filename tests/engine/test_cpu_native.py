@@ -104,6 +104,19 @@ def test_build_is_cached_and_keyed_by_source(tmp_path, monkeypatch):
     assert other != built[0] and ctypes.CDLL(str(other)).answer() == 43
 
 
+def test_a_header_edit_rebuilds(tmp_path):
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "h.h").write_text("#define ANSWER 42\n")
+    src = tmp_path / "k.c"
+    src.write_text('#include "h.h"\nint answer(void) { return ANSWER; }\n')
+    out = tmp_path / "built"
+    first = cpu_native._build(cpu_native.compiler(), src, out)
+    (tmp_path / "h.h").write_text("#define ANSWER 43\n")
+    second = cpu_native._build(cpu_native.compiler(), src, out)
+    assert second != first and ctypes.CDLL(str(second)).answer() == 43
+
+
 def test_without_a_compiler(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_native, "compiler", lambda: None)
     src = tmp_path / "none.c"
