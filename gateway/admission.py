@@ -93,13 +93,26 @@ class AdmissionConfig:
     calibration_min_samples: int = 16
     # closed loop on top (AttainmentGuard): the admitted requests' measured misses scale the
     # loaded predictions until half the miss rate the quantile allows remains (the gateway
-    # measures a little less delay than its clients do); off by default (--admission-guard)
-    guard: bool = False
+    # measures a little less delay than its clients do). "auto": on where the decode replica
+    # runs on a GPU (--admission-guard)
+    guard: str | bool = "off"  # on | off | auto (True / False: on / off)
+
+    def guard_on(self, device_id: str) -> bool:
+        """Whether the guard scales predictions for a decode replica on `device_id`."""
+        g = self.guard
+        return g is True or g == "on" or (g == "auto" and device_id.startswith("cuda:"))
+
+    @property
+    def guard_fed(self) -> bool:
+        """Whether the guards learn at all (not when off: nothing would read them)."""
+        return self.guard not in (False, "off")
 
     def __post_init__(self):
         for k in ("prefill_tokens_per_s", "decode_step_ms"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be > 0")
+        if self.guard not in (True, False, "on", "off", "auto"):
+            raise ValueError(f"guard must be on, off or auto, got {self.guard!r}")
         q = self.headroom_quantile
         if q is not None and not 0.5 <= q < 1.0:
             raise ValueError(f"slo attainment (headroom quantile) must be in [0.5, 1), got {q}")
@@ -274,7 +287,7 @@ class Predictor:
         # NOTE: no headroom when nearly idle (work ahead <= the prompt's own; batch <= 2)
         ht = tc.headroom(q, bt) if bt >= 2 else 1.0
         hp = pc.headroom(q, bp) if bp >= 1 else 1.0
-        if self.cfg.guard:  # not when nearly idle either: it answers to queueing and batching
+        if self.cfg.guard_on(decode.device_id):  # not when nearly idle either: it answers to queueing and batching
             ht *= self.ttft_guard.factor if bt >= 1 else 1.0
             hp *= self.tpot_guard.factor if bp >= 1 else 1.0
         # NOTE: idle estimates only reject: the more optimistic of model and correction, so a

@@ -134,7 +134,7 @@ class AdmitPath:
                      tpot_ms: float | None = None) -> None:
         """An admitted request's TTFT (from arrival) / TPOT against its SLOs: the guards (only
         when they are on: off, nothing reads them)."""
-        if route.prediction is None or not self.admission_cfg.guard:
+        if route.prediction is None or not self.admission_cfg.guard_fed:
             return
         ttft_slo, tpot_slo = self._slos(req)
         p = self.predictor

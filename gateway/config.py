@@ -115,7 +115,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-attainment", type=float, default=0.95,
                    help="share of admitted requests admission budgets to meet their SLO: the "
                    "quantile of recent observed / predicted ratios added as headroom")
-    p.add_argument("--admission-guard", choices=("on", "off"),
+    p.add_argument("--admission-guard", choices=("on", "off", "auto"),
                    default=env_str("SPLITSERVE_ADMISSION_GUARD", "off"),
                    help="closed loop on the admitted requests' measured SLO misses: scales "
                         "admission's loaded predictions until the miss rate is what "
@@ -184,6 +184,6 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s,
                                   headroom_quantile=a.slo_attainment,
-                                  guard=a.admission_guard == "on"),
+                                  guard=a.admission_guard),
         prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams,
         log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s)

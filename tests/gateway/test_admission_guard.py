@@ -66,6 +66,22 @@ def test_guard_scales_loaded_predictions_only():
     assert (i.ttft_ms, i.tpot_ms, i.idle_ttft_ms) == (j.ttft_ms, j.tpot_ms, j.idle_ttft_ms)
 
 
+def test_guard_auto_scales_only_for_a_decode_replica_on_a_gpu():
+    cfg = AdmissionConfig(prefill_tokens_per_s=1000.0, transfer_ms_per_token=0.0, overhead_ms=0.0,
+                          guard="auto")
+    assert cfg.guard_fed and not AdmissionConfig(guard="off").guard_fed
+    p = Predictor(cfg)
+    for _ in range(200):
+        p.observe_slo(900.0, 500.0, 90.0, 50.0)
+    busy_p = LoadView(queued_tokens=300)
+    gpu = p.predict(busy_p, LoadView(running=16, mean_step_ms=20.0, device_id="cuda:GPU-1"), 100)
+    cpu = p.predict(busy_p, LoadView(running=16, mean_step_ms=20.0, device_id="cpu:host"), 100)
+    assert gpu.ttft_ms == pytest.approx(cpu.ttft_ms * p.ttft_guard.factor) and p.ttft_guard.factor > 1.5
+    assert gpu.tpot_ms == pytest.approx(cpu.tpot_ms * p.tpot_guard.factor)
+    with pytest.raises(ValueError):
+        AdmissionConfig(guard="sometimes")
+
+
 async def test_gateway_feeds_the_guard_from_served_requests():
     """Through the gateway against fake replicas over gRPC: a decode slower than the TPOT SLO
     makes every admitted request miss; the guard counts them and tightens. A TTFT SLO met
