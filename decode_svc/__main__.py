@@ -9,10 +9,11 @@ from common.grpc_util import service_main
 from common.service_args import (add_engine_args, add_kv_transfer_args, add_server_args,
                                  engine_config_from_args, kv_backend_from_args, pair_host)
 
-# GPU: a step is one weight read, so yielding costs decode little and gives prefill the GPU
-# (`python -m bench.pd_system`, 64-client case). CPU: a step is compute on the cores prefill
-# shares, and spacing steps slowed decode without speeding prefill up (same bench): no yield.
-GPU_YIELD_RATIO = 6.0
+# GPU: a step is one weight read, so spacing steps costs decode little and gives prefill the
+# GPU (`python -m bench.pd_system`, 64-client case: 8B tokens/s 0.68x of the engine without,
+# 0.85x at 6, 0.87x at 12). CPU: a step is compute on the cores prefill shares; spacing steps
+# slowed decode without speeding prefill up (same bench): no yield.
+GPU_YIELD_RATIO = 12.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-yield-ratio", type=float,
                    default=env_float("SPLITSERVE_PREFILL_YIELD_RATIO", None),
                    help="while a prefill on this device has prompts for us in flight, start "
-                        "steps at most every this many step times (0: never yield; default 6 on "
+                        "steps at most every this many step times (0: never yield; default 12 on "
                         "a GPU, 0 on CPU, where a step is not one weight read but compute)")
     p.add_argument("--prefill-yield-max-ms", type=float,
                    default=env_float("SPLITSERVE_PREFILL_YIELD_MAX_MS", 50.0),
