@@ -10,9 +10,9 @@ from common.service_args import (add_engine_args, add_kv_transfer_args, add_serv
                                  engine_config_from_args, kv_backend_from_args, pair_host)
 
 # GPU: a step is one weight read, so spacing steps costs decode little and gives prefill the
-# GPU (`python -m bench.pd_system`, 64-client case: 8B tokens/s 0.68x of the engine without,
-# 0.85x at 6, 0.87x at 12). CPU: a step is compute on the cores prefill shares; spacing steps
-# slowed decode without speeding prefill up (same bench): no yield.
+# GPU; CPU: a step is compute on the cores prefill shares, and spacing steps slowed decode
+# without speeding prefill up. Measured by `python -m bench.pd_system` (the 64-client case)
+# with SPLITSERVE_PREFILL_YIELD_RATIO set to each value.
 GPU_YIELD_RATIO = 12.0
 
 

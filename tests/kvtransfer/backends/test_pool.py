@@ -24,12 +24,12 @@ def _info(n_blocks: int) -> dict:
     return {"num_layers": LAYOUT.num_layers, "num_blocks": n_blocks, "block_bytes": BLOCK_BYTES}
 
 
-def _owner(q, n_blocks: int, seed: int) -> None:
+def _owner(q, n_blocks: int, seed: int, extra: dict | None = None) -> None:
     """Child process: a shared pool filled with a seeded pattern, served until killed."""
     pool = allocate_pool(LAYOUT.num_layers * 2 * n_blocks * BLOCK_BYTES, "cpu", shareable=True)
     g = torch.Generator().manual_seed(seed)
     pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, generator=g, dtype=torch.uint8))
-    server = PoolServer(pool, _info(n_blocks))
+    server = PoolServer(pool, {**_info(n_blocks), **(extra or {})})
     q.put(server.address)
     time.sleep(120)
 
@@ -180,3 +180,37 @@ async def test_release_waits_for_a_running_copy():
     await rel
     assert sink.released == ["r1"]
     await rx.close()
+
+
+async def test_importer_counts_the_pools_whose_owner_shares_its_device():
+    """decode's step pacer yields only to a prefill on its own device (PoolServer info
+    device_id); the count drops when that owner dies."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_owner, args=(q, 10, 7, {"device_id": "cpu:host-a"}), daemon=True)
+    p.start()
+    try:
+        address = q.get(timeout=60)
+        peer = attach(address, "cpu")
+        pool_id = peer.pool_id
+        peer.close()
+        for mine, want in (("cpu:host-b", 0), ("cpu:host-a", 1)):
+            rx, imp, _, _ = _importer(8, {"r1": [1]})
+            imp.device_id = mine
+            rx.expect("t1", "r1", num_blocks=1, num_tokens=2)
+            await imp.handoff("t1", address, pool_id, [3], 2)
+            assert imp.num_local_peers == want, mine
+            if want:
+                p.kill()
+                p.join(10)
+                for _ in range(100):  # the watch thread sees EOF, the loop drops the mapping
+                    if imp.num_local_peers == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert imp.num_local_peers == 0 and not imp.peers
+                break
+            imp.close()
+            await rx.close()
+    finally:
+        p.kill()
+        p.join(10)
