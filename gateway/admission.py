@@ -20,7 +20,8 @@ just half of them; a nearly idle replica gets none: it covers queueing error, an
 that meets its SLO with no queue must not be turned away at low load. The ratios come back only
 as requests finish and cover only what the models see; an `AttainmentGuard` per SLO closes the
 loop on the outcome itself (met or missed), scaling the loaded predictions until the admitted
-requests' miss rate is what `--slo-attainment` allows (`--admission-guard`, off by default).
+requests' miss rate is what `--slo-attainment` allows (`--admission-guard`; by default on
+for decode replicas on a GPU only).
 
 Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
 at all means "admit whenever there is room"):
@@ -95,7 +96,7 @@ class AdmissionConfig:
     # loaded predictions until half the miss rate the quantile allows remains (the gateway
     # measures a little less delay than its clients do). "auto": on where the decode replica
     # runs on a GPU (--admission-guard)
-    guard: str | bool = "off"  # on | off | auto (True / False: on / off)
+    guard: str | bool = "auto"  # on | off | auto (True / False: on / off)
 
     def guard_on(self, device_id: str) -> bool:
         """Whether the guard scales predictions for a decode replica on `device_id`."""

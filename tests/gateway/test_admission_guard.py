@@ -107,7 +107,7 @@ async def test_gateway_feeds_the_guard_from_served_requests():
 
 
 async def test_guard_off_is_not_fed():
-    s = await make_stack(decode_step_s=0.01)  # the default: guard off
+    s = await make_stack(decode_step_s=0.01, admission=AdmissionConfig(guard="off"))
     try:
         core = s.core
         r = GenRequest(core.new_request_id(), core.tokenizer.encode("abc"),
