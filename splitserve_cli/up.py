@@ -178,6 +178,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "default 9101,9102; SPLITSERVE_METRICS_PORTS)")
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra flag for the gateway only (repeat), e.g. --gateway-arg=--default-ttft-ms=500")
+    p.add_argument("--prefill-arg", action="append", default=[],
+                   help="extra flag for prefill only (repeat), e.g. --prefill-arg=--kv-chunk-bytes=8388608")
+    p.add_argument("--decode-arg", action="append", default=[],
+                   help="extra flag for decode only (repeat), e.g. --decode-arg=--prefill-yield-ratio=0")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="Ctrl-C / SIGTERM: running requests may finish for this long (each service)")
@@ -305,7 +309,8 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
             if mport:
                 args += ["--metrics-port", mport]
             args += extra[name]
-            children.append(Child(name, service_cmd(module, args + engine_args),
+            own = a.prefill_arg if name == "prefill" else a.decode_arg  # last: they win
+            children.append(Child(name, service_cmd(module, args + engine_args + own),
                                   os.path.join(tmp, name), env))
         ready = wait_ready(children, a.ready_timeout)
         pport, dport = ready["prefill"][0], ready["decode"][0]

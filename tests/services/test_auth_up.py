@@ -1,6 +1,7 @@
 """`splitserve up` runs its three services on a random internal secret it passes in their
 environment, never on a command line (`ps` shows those): its decode refuses an
-unauthenticated Reserve while requests through the gateway are served."""
+unauthenticated Reserve while requests through the gateway are served. Its --prefill-arg /
+--decode-arg flags reach that service only."""
 from __future__ import annotations
 
 import json
@@ -19,9 +20,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 async def test_up_passes_a_secret_not_on_the_command_line():
-    with harness.splitserve_up([*harness.UP_PORTS, *harness.TINY_CPU]) as up:
+    own = {"prefill": "--kv-chunk-bytes=1048576", "decode": "--prefill-yield-ratio=0.5"}
+    with harness.splitserve_up([*harness.UP_PORTS, *harness.TINY_CPU, f"--prefill-arg={own['prefill']}",
+                                f"--decode-arg={own['decode']}"]) as up:
         kids = psutil.Process(up.popen.pid).children()
         assert len(kids) == 3
+        for k in kids:
+            line = k.cmdline()
+            for svc, flag in own.items():
+                assert (flag in line) == (f"{svc}_svc" in line), (svc, line)
         secrets = {k.environ().get(ENV_SECRET) for k in kids}
         assert len(secrets) == 1 and len(next(iter(secrets)) or "") >= 32, "one secret for all three"
         secret = secrets.pop()
