@@ -146,6 +146,10 @@ class ServiceMetrics:
             "splitserve_kv_transfer_fallbacks",
             "KV transfers sent over grpc because the pair could not use the selected backend",
             ["reason"], registry=r("kv"))  # not_accepted|no_endpoint|device_mismatch|same_gpu|...
+        self.kv_ticket_wait = Histogram(
+            "splitserve_kv_ticket_wait_seconds", "Prompts run before decode's ticket came "
+            "(ticket_follows): first token to the ticket's arrival (0: it was there first)",
+            buckets=_FAST, registry=r("kv"))
         # --- admission (gateway)
         self.admission = Counter("splitserve_admission_decisions", "Admission controller decisions",
                                  ["decision"], registry=r("gateway"))

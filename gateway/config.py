@@ -16,6 +16,7 @@ DEFAULT_DECODE = "127.0.0.1:50071"
 
 PREFILL_ON_DECODE = ("never", "auto", "always")
 DECODE_STREAMS = ("many", "per-request")
+RESERVE_OVERLAP = ("auto", "off")
 MAX_TOKENS_OVER_CONTEXT = ("error", "cap")
 
 
@@ -37,6 +38,7 @@ class GatewayConfig:
     transfer_timeout_ms: int = 30000
     prefill_on_decode: str = "never"  # never | auto (decode and prefill share a GPU) | always
     decode_streams: str = "many"  # many: one DecodeMany call per decode replica | per-request
+    reserve_overlap: str = "auto"  # auto: decode.Reserve during the prompt on pool pairs | off
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     log_level: str | None = None
     ready_file: str | None = None
@@ -54,6 +56,8 @@ class GatewayConfig:
                              f"got {self.prefill_on_decode!r}")
         if self.decode_streams not in DECODE_STREAMS:
             raise ValueError(f"decode_streams must be one of {DECODE_STREAMS}, got {self.decode_streams!r}")
+        if self.reserve_overlap not in RESERVE_OVERLAP:
+            raise ValueError(f"reserve_overlap must be one of {RESERVE_OVERLAP}, got {self.reserve_overlap!r}")
         if not self.prefill or not self.decode:
             raise ValueError("need at least one prefill and one decode address")
         for a in (*self.prefill, *self.decode):
@@ -135,6 +139,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "per decode replica, one message a step for all its requests) or "
                         "per-request (one Decode call each; a decode replica without DecodeMany gets "
                         "that by itself)")
+    p.add_argument("--reserve-overlap", choices=RESERVE_OVERLAP,
+                   default=env_str("SPLITSERVE_RESERVE_OVERLAP", "auto"),
+                   help="auto (default): once a prefill replica has handed KV to a decode replica "
+                        "through a shared pool (vmm / shm), its prompts start before decode's "
+                        "reservation, which follows by Prefill.Ticket: the Reserve round trip "
+                        "(a decode step under load) leaves the TTFT; off: reserve, then prefill")
     p.add_argument("--drain-timeout-s", type=float, default=env_float("SPLITSERVE_DRAIN_TIMEOUT_S", 30.0),
                    help="on SIGTERM / SIGINT: refuse new requests, let running ones finish for up "
                         "to this long, then exit")
@@ -187,4 +197,4 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                                   headroom_quantile=a.slo_attainment,
                                   guard=a.admission_guard),
         prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams,
-        log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s)
+        reserve_overlap=a.reserve_overlap, log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s)

@@ -48,7 +48,7 @@ class GatewayCore(AdmitPath, Downstream):
                  eos_token_ids: tuple[int, ...], prefill: ReplicaPool, decode: ReplicaPool,
                  admission: AdmissionConfig, metrics: ServiceMetrics, info: dict | None = None,
                  transfer_timeout_ms: int = 30000, prefill_on_decode: str = "never",
-                 decode_streams: str = "many"):
+                 decode_streams: str = "many", reserve_overlap: str = "auto"):
         self.model_name = model_name
         self.tokenizer = tokenizer  # engine.tokenizer.Tokenizer or None (token ids only)
         self.max_model_len = max_model_len
@@ -64,6 +64,7 @@ class GatewayCore(AdmitPath, Downstream):
         self.transfer_timeout_ms = transfer_timeout_ms
         self.prefill_on_decode = prefill_on_decode  # gateway/config.py PREFILL_ON_DECODE
         self.decode_streams = decode_streams  # gateway/config.py DECODE_STREAMS
+        self.reserve_overlap = reserve_overlap  # gateway/config.py RESERVE_OVERLAP
         self._bg: set[asyncio.Task] = set()
         self.num_active = 0
         self.num_admitted = 0  # admitted requests not finished yet

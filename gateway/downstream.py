@@ -17,7 +17,7 @@ import grpc
 from common import telemetry
 from common.convert import params_to_pb as request_params_pb
 from gateway.decode_many import DecodeMany
-from gateway.routing import Route, order_decode, order_prefill
+from gateway.routing import POOL_KV_BACKENDS, Route, order_decode, order_prefill
 from gateway.types import GatewayError, GenRequest
 
 log = logging.getLogger("splitserve.gateway.core")
@@ -142,6 +142,38 @@ class Downstream:
                     raise
         return None, None, last
 
+    def _ticket_follows(self, p) -> bool:
+        """Send this prompt before decode's ticket: the pair's last handoff went through a
+        shared pool, where prefill needs the ticket only after the first token."""
+        if self.reserve_overlap == "off" or not p.pool_peers:
+            return False
+        d = next((r for r in order_decode(self.decode.replicas, self.predictor) if r.healthy), None)
+        return d is not None and d.address in p.pool_peers
+
+    def _note_ticket(self, ticket, route: Route, p, ids) -> None:
+        """Decode's block size and the prompt's hashes for the prefix index."""
+        if ticket.block_size and ticket.block_size != self.prefix.block_size:
+            self.prefix.set_block_size(ticket.block_size)
+            route.hashes = None
+        if route.hashes is None:
+            route.hashes = self.prefix.hashes(ids)
+        self.prefix.record(p.address, route.hashes, p.load.num_total_blocks)
+
+    async def _send_ticket(self, p, request_id: str, ticket, call, md) -> None:
+        """Prefill.Ticket for a ticket_follows call; a refused ticket ends the call. When the
+        call has already failed, its own error is the one raised."""
+        from protos import prefill_pb2
+
+        if call.done():
+            await call  # it failed before its ticket: its own error
+        try:
+            await p.stub.Ticket(prefill_pb2.TicketRequest(request_id=request_id, ticket=ticket),
+                                timeout=RESERVE_TIMEOUT_S, metadata=md)
+        except grpc.aio.AioRpcError:
+            if call.done():
+                await call  # raises the call's error
+            raise
+
     async def _prefill(self, req: GenRequest, route: Route | None = None):
         """-> (decode replica, ticket, PrefillResponse). Tries the replica admission chose
         first, then the other replicas that are up."""
@@ -158,41 +190,59 @@ class Downstream:
         for p in order:
             if not p.healthy:
                 continue
-            dec, ticket = await self._reserve(req)
+            follows = self._ticket_follows(p)
             tried.append(p.address)
-            if ticket.block_size and ticket.block_size != self.prefix.block_size:
-                self.prefix.set_block_size(ticket.block_size)
-                route.hashes = None
-            if route.hashes is None:
-                route.hashes = self.prefix.hashes(ids)
-            self.prefix.record(p.address, route.hashes, p.load.num_total_blocks)
             held = 0 if p is route.prefill and route.inflight else n
             if held:
                 p.add_inflight(held)
             # NOTE: prefill_ms runs from the replica's receipt, its own queue included: only a
             # prompt sent to an otherwise idle replica times the compute the fit models
             route.alone = p.load.inflight_requests == 1 and not p.load.queued_tokens
+            dec = ticket = call = None
             try:
-                with telemetry.span("prefill.Prefill",
-                                    attributes={"splitserve.replica": p.address}):
-                    resp = await p.stub.Prefill(prefill_pb2.PrefillRequest(
-                        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                        params=params_pb, ticket=ticket), metadata=telemetry.inject_metadata())
+                with telemetry.span("prefill.Prefill", attributes={
+                        "splitserve.replica": p.address, "splitserve.ticket_follows": follows}):
+                    md = telemetry.inject_metadata()
+                    if follows:  # the prompt runs while decode reserves (prefill_svc/tickets.py)
+                        call = p.stub.Prefill(prefill_pb2.PrefillRequest(
+                            request_id=req.request_id, prompt_token_ids=ids, params=params_pb,
+                            ticket_follows=True), metadata=md)
+                    dec, ticket = await self._reserve(req)
+                    self._note_ticket(ticket, route, p, ids)
+                    if follows:
+                        await self._send_ticket(p, req.request_id, ticket, call, md)
+                    else:
+                        call = p.stub.Prefill(prefill_pb2.PrefillRequest(
+                            request_id=req.request_id, prompt_token_ids=ids, params=params_pb,
+                            ticket=ticket), metadata=md)
+                    resp = await call
                 m = self.metrics.routing_prefix_tokens
                 m.labels(kind="prompt").inc(n)
                 m.labels(kind="predicted").inc(route.cached if p is route.prefill else 0)
                 m.labels(kind="cached").inc(resp.num_cached_tokens)
+                if resp.kv_backend in POOL_KV_BACKENDS:
+                    p.pool_peers.add(dec.address)
+                else:
+                    p.pool_peers.discard(dec.address)
                 return dec, ticket, resp
             except grpc.aio.AioRpcError as e:
-                self._release(dec, req.request_id, ticket.transfer_id, f"prefill failed: {e.code().name}")
+                if call is not None and not call.done():
+                    call.cancel()
+                if dec is not None:
+                    self._release(dec, req.request_id, ticket.transfer_id,
+                                  f"prefill failed: {e.code().name}")
                 last = e
                 if e.code() in _RETRYABLE:
                     p.mark_down(f"Prefill: {e.details()}")
+                    p.pool_peers.clear()
                     self.prefix.forget(p.address)
                     continue
                 raise GatewayError(e.code(), f"prefill failed: {e.details()}") from None
             except BaseException:
-                self._release(dec, req.request_id, ticket.transfer_id, "cancelled during prefill")
+                if call is not None and not call.done():
+                    call.cancel()  # NOTE: prefill aborts the prompt and frees its blocks
+                if dec is not None:
+                    self._release(dec, req.request_id, ticket.transfer_id, "cancelled during prefill")
                 raise
             finally:
                 if held:

@@ -41,6 +41,9 @@ def _channel_options() -> list:
                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
+POOL_KV_BACKENDS = ("vmm", "shm")  # kvtransfer.endpoint.POOL_BACKENDS (the gateway loads no torch)
+
+
 @dataclass
 class Replica:
     address: str
@@ -53,6 +56,8 @@ class Replica:
     last_error: str = ""
     tpot_slos: list[float] = field(default_factory=list)  # decode: of the requests it runs
     many: object = None  # decode: its DecodeMany call (gateway.decode_many), opened on first use
+    # prefill: decode replicas its last handoff to went through a shared pool (vmm / shm)
+    pool_peers: set[str] = field(default_factory=set)
 
     def add_inflight(self, tokens: int) -> None:
         self.load.inflight_tokens += tokens

@@ -60,7 +60,8 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
                        eos_token_ids=meta["eos_token_ids"], prefill=prefill, decode=decode,
                        admission=cfg.admission, metrics=metrics, info=meta["info"],
                        transfer_timeout_ms=cfg.transfer_timeout_ms,
-                       prefill_on_decode=cfg.prefill_on_decode, decode_streams=cfg.decode_streams)
+                       prefill_on_decode=cfg.prefill_on_decode, decode_streams=cfg.decode_streams,
+                       reserve_overlap=cfg.reserve_overlap)
     core_ref.append(core)
     return core
 

@@ -26,7 +26,7 @@ for s in ${*:-vmm pool pd}; do
           [ "$r" = default ] && unset SPLITSERVE_PREFILL_YIELD_RATIO || export SPLITSERVE_PREFILL_YIELD_RATIO=$r
           echo "== $m, prefill yield ratio $r"
           timeout 280 python3 -m bench.pd_system --model "$m" --device cuda ${PD_ARGS:-} 2>&1 \
-            | tee "$OUT/pd_$(echo "$m" | tr -c 'a-z0-9\n' '_')_y$r.log" | grep -v "^\[\|splitserve\." | tail -${PD_TAIL:-30}
+            | tee "$OUT/pd_$(echo "$m" | tr -c 'a-z0-9\n' '_')_y$r${PD_TAG:-}.log" | grep -v "^\[\|splitserve\." | tail -${PD_TAIL:-30}
         done
       done ;;
   esac

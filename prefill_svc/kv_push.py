@@ -130,13 +130,19 @@ class KVPusher:
                                                 num_tokens, ks, vs, self.timeout_s, metadata)
         except PoolUnreachable as e:  # nothing was touched on decode: send it the old way
             self._fallback(ticket.decode_address, "pool_unreachable", str(e))
-            blocks = await engine.export_kv(request_id, skip)
-            nbytes = await send_blocks(self.senders["grpc"], ticket.decode_address, ticket.transfer_id,
-                                       request_id, blocks, self.layout, self.timeout_s, metadata)
-            self.metrics.kv_transfers.labels(backend="grpc").inc()
-            return nbytes, "grpc"
+            return await self.send_exported(ticket, request_id, engine, metadata)
         self.metrics.kv_transfers.labels(backend=route.backend).inc()
         return nbytes, route.backend
+
+    async def send_exported(self, ticket, request_id: str, engine, metadata: tuple = ()
+                            ) -> tuple[int, str]:
+        """After the prompt's forward, without a layer stream: the request's blocks (from
+        ticket.num_cached_blocks on) exported from the engine and sent over grpc."""
+        blocks = await engine.export_kv(request_id, ticket.num_cached_blocks)
+        nbytes = await send_blocks(self.senders["grpc"], ticket.decode_address, ticket.transfer_id,
+                                   request_id, blocks, self.layout, self.timeout_s, metadata)
+        self.metrics.kv_transfers.labels(backend="grpc").inc()
+        return nbytes, "grpc"
 
     async def _open(self, route: Route, ticket, rid: str, num_tokens: int, metadata):
         args = (ticket.decode_address, ticket.transfer_id, rid, self.layout, num_tokens,

@@ -17,6 +17,11 @@ A handoff that fails then fails that transfer on decode, so the request ends wit
 error; prefill keeps its blocks, and counts itself in flight (drain), until the handoff ends.
 A request that ends at its first token is released with ReleaseRequest.await_kv, so decode
 lets such a handoff land and keeps the prompt's blocks cached.
+
+PrefillRequest.ticket_follows: the prompt runs before decode's ticket is there (the gateway
+reserves on decode meanwhile and sends it by Ticket; prefill_svc/tickets.py); the ticket is
+checked after the first token, then the pool handoff runs as above. A ticket whose route turns
+out not to be a pool gets the KV over grpc from the finished blocks.
 """
 from __future__ import annotations
 
@@ -26,13 +31,14 @@ import time
 
 import grpc
 
-from common.auth import prompt_digest, ticket_refusal
+from common.auth import caller_id, prompt_digest, ticket_refusal
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import inject_metadata, server_span, set_attrs, span
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import TransferError
 from kvtransfer.endpoint import device_id
+from prefill_svc.tickets import TicketBox, TicketRefused
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
@@ -52,6 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._prompt_tokens = 0
         self._releases: set[asyncio.Future] = set()  # success-path releases still queued
         self.device_id = device_id(pusher.local)     # LoadStats.device_id
+        self.tickets = TicketBox()                   # tickets that follow their Prefill
 
     def _check_ticket(self, t: common_pb2.TransferTicket) -> None:
         if not t.transfer_id or not t.decode_address:
@@ -66,43 +73,91 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 f"{theirs} does not match prefill's {ours}: run both with the same model, "
                 "--kv-cache-dtype and --block-size")
 
+    def _ticket_problem(self, t: common_pb2.TransferTicket, rid: str, prompt_ids
+                        ) -> tuple[grpc.StatusCode, str] | None:
+        """Why this ticket cannot carry this prompt's KV (status, message), or None."""
+        try:
+            self._check_ticket(t)
+            refused = ticket_refusal(self.auth, t, rid, time.time() * 1e3)
+            if refused is not None:  # NOTE: before anything dials ticket.decode_address
+                return grpc.StatusCode.PERMISSION_DENIED, refused
+            n = len(prompt_ids)
+            if t.num_tokens and n != t.num_tokens:
+                raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "
+                                          f"is for {t.num_tokens}")
+            if t.prompt_digest and prompt_digest(prompt_ids) != t.prompt_digest:
+                raise InvalidRequestError("prompt_token_ids differ from the decode "
+                                          "reservation's (ticket.prompt_digest)")
+            skip = t.num_cached_blocks
+            if skip > (n - 1) // self.layout.block_size:  # NOTE: the last block always goes
+                raise InvalidRequestError(f"ticket.num_cached_blocks {skip} exceeds the "
+                                          f"{(n - 1) // self.layout.block_size} full blocks "
+                                          f"before a {n}-token prompt's last token")
+        except InvalidRequestError as e:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        return None
+
+    async def Ticket(self, request: prefill_pb2.TicketRequest, context):
+        rid = request.request_id
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:  # what needs no prompt is checked here, so the sender hears of it
+            self._check_ticket(request.ticket)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refused = ticket_refusal(self.auth, request.ticket, rid, time.time() * 1e3)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+        try:
+            self.tickets.deliver(rid, caller_id(context), request.ticket)
+        except TicketRefused as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        return prefill_pb2.TicketResponse()
+
+    async def _ticket(self, waiter: asyncio.Future, rid: str, context):
+        """The ticket of a ticket_follows Prefill, waited for up to the transfer timeout."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self.pusher.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no ticket for request {rid!r} within {self.pusher.timeout_s:g} s "
+                                "of its first token (send it with Ticket)")
+
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context):
         rid = request.request_id
-        attrs = {"splitserve.request_id": rid, "splitserve.prompt_tokens": len(request.prompt_token_ids)}
+        follows = request.ticket_follows and not request.ticket.transfer_id
+        attrs = {"splitserve.request_id": rid, "splitserve.prompt_tokens": len(request.prompt_token_ids),
+                 "splitserve.ticket_follows": follows}
         with server_span("prefill", context, attributes=attrs) as sp:
             t_in = time.perf_counter()
             try:
                 if not rid:
                     raise InvalidRequestError("request_id is required")
-                self._check_ticket(request.ticket)
-                refused = ticket_refusal(self.auth, request.ticket, rid, time.time() * 1e3)
-                if refused is not None:  # NOTE: before anything dials ticket.decode_address
-                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-                n = len(request.prompt_token_ids)
-                if request.ticket.num_tokens and n != request.ticket.num_tokens:
-                    raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "
-                                              f"is for {request.ticket.num_tokens}")
-                if request.ticket.prompt_digest and \
-                        prompt_digest(request.prompt_token_ids) != request.ticket.prompt_digest:
-                    raise InvalidRequestError("prompt_token_ids differ from the decode "
-                                              "reservation's (ticket.prompt_digest)")
-                skip = request.ticket.num_cached_blocks
-                if skip > (n - 1) // self.layout.block_size:  # NOTE: the last block always goes
-                    raise InvalidRequestError(f"ticket.num_cached_blocks {skip} exceeds the "
-                                              f"{(n - 1) // self.layout.block_size} full blocks "
-                                              f"before a {n}-token prompt's last token")
+                if not follows:
+                    problem = self._ticket_problem(request.ticket, rid, request.prompt_token_ids)
+                    if problem is not None:
+                        await context.abort(*problem)
                 params = params_from_pb(request.params)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             prompt = [int(t) for t in request.prompt_token_ids]
-            ticket = request.ticket
-            route = self.pusher.route(ticket)
+            ticket = None if follows else request.ticket
+            skip = ticket.num_cached_blocks if ticket is not None else 0
+            route = self.pusher.route(ticket) if ticket is not None else None
+            waiter = None
+            if follows:
+                try:
+                    waiter = self.tickets.expect(rid, caller_id(context))
+                except TicketRefused as e:
+                    await context.abort(getattr(grpc.StatusCode, e.code), str(e))
             loop = asyncio.get_running_loop()
             layers: asyncio.Queue = asyncio.Queue()
             self.in_flight += 1
             ok, added, push = False, False, None  # added: the engine holds the id (free it after)
             detached = False  # the handoff runs on after the answer (_handoff_after frees)
-            pool = self.pusher.is_pool(route)  # the KV stays in our pool: no layers to stream
+            # the KV stays in our pool (no layers to stream); a following ticket bets on a pool
+            pool = follows or self.pusher.is_pool(route)
+            t_ticket = None
             try:
                 if not pool:
                     try:
@@ -110,7 +165,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     except InvalidRequestError as e:  # e.g. a duplicate id: nothing of ours is held
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     added = True
-                with span("kv.send", attributes={"splitserve.kv.backend": route.backend}) as ksp:
+                with span("kv.send", attributes={"splitserve.kv.backend":
+                                                 route.backend if route else "pending"}) as ksp:
                     if not pool:
                         push = loop.create_task(self.pusher.push(route, ticket, rid, layers, inject_metadata()))
                         push.add_done_callback(_retrieve)  # an early failure is read below (or moot)
@@ -134,10 +190,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     if first is None:
                         await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
                     t_first = time.perf_counter()
+                    if follows:
+                        ticket = await self._ticket(waiter, rid, context)
+                        t_ticket = time.perf_counter()
+                        self.metrics.kv_ticket_wait.observe(t_ticket - t_first)
+                        problem = self._ticket_problem(ticket, rid, prompt)
+                        if problem is not None:
+                            await context.abort(*problem)
+                        skip = ticket.num_cached_blocks
+                        route = self.pusher.route(ticket)
                     try:
                         # NOTE: every layer was queued before the first token was delivered; the
                         # bound only guards against a transfer that never ends
-                        if pool and self.pusher.proven(route, ticket):
+                        if not self.pusher.is_pool(route) and follows:  # the bet lost: grpc
+                            nbytes, backend = await asyncio.wait_for(
+                                self.pusher.send_exported(ticket, rid, self.engine, inject_metadata()),
+                                self.pusher.timeout_s + 5)
+                        elif pool and self.pusher.proven(route, ticket):
                             nbytes, backend = self._handoff_after(route, ticket, rid, first, len(prompt))
                             detached = True
                         elif pool:
@@ -158,6 +227,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.metrics.requests.labels(outcome="abort" if cancelled else "error").inc()
                 raise
             finally:
+                if follows:
+                    self.tickets.forget(rid)
                 if not detached:
                     self.in_flight -= 1
                 if push is not None and not push.done():
@@ -191,8 +262,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 request_id=rid, first_token_id=tok, first_logprob=lp,
                 num_prompt_tokens=first.num_prompt_tokens or len(prompt),
                 num_cached_tokens=first.num_cached_tokens, kv_bytes=nbytes, kv_backend=backend,
-                timings=prefill_pb2.PrefillTimings(prefill_ms=(t_first - t_in) * 1e3,
-                                                   transfer_ms=(t_sent - t_first) * 1e3))
+                timings=prefill_pb2.PrefillTimings(
+                    prefill_ms=(t_first - t_in) * 1e3, transfer_ms=(t_sent - t_first) * 1e3,
+                    ticket_wait_ms=(t_ticket - t_first) * 1e3 if t_ticket is not None else 0.0))
 
     def _handoff_after(self, route, ticket, rid: str, first, n_prompt: int) -> tuple[int, str]:
         """Start the pool handoff without waiting for it; -> (bytes it will move, backend).
