@@ -34,8 +34,9 @@ class AsyncEngine:
         self.cfg = cfg
         self.engine = engine
         self.profiler = profiler if profiler is not None else StepProfiler()  # profile()
-        self._cmds: queue.Queue = queue.Queue()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # C: cheaper put / wake-up
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending: set = set()  # (loop, q) of streams whose start has not run yet
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
@@ -104,47 +105,70 @@ class AsyncEngine:
         self._cmds.put((fn, loop, fut))
         return await fut
 
-    async def generate(self, request_id: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, prefill_only: bool = False
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request; leaving the iterator early aborts it."""
+    def generate(self, request_id: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, prefill_only: bool = False
+                 ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request; leaving the iterator early aborts it. An error of
+        add_request (e.g. InvalidRequestError) is raised by the first iteration."""
         rid = request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (loop, q)
-        try:
+
+        def start(e):
+            e.add_request(rid, prompt_token_ids, params, prefill_only)
+
+        return self._open(rid, start, params)
+
+    def stream(self, request_id: str, start: Callable[[Engine], RequestOutput | None]
+               ) -> AsyncIterator[RequestOutput]:
+        """Run `start` on the engine thread (e.g. add_prefilled) and stream the request's
+        outputs; start's error is raised, and an output it returns ends the stream at once."""
+        return self._open(request_id, start)
+
+    async def _open(self, rid: str, start: Callable[[Engine], RequestOutput | None],
+                    params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """The stream of `rid`: queue `start` without awaiting it (the engine thread runs it
+        and steps on with no event-loop wake-up in between) and yield what reaches its queue.
+        start's outcome lands there before any step output (one thread, FIFO)."""
+        if params is not None and params.guided is not None:
             await self.precompile(params)
-            await self.call(lambda e: e.add_request(rid, prompt_token_ids, params, prefill_only))
-        except BaseException:
-            self._streams.pop(rid, None)
-            raise
-        async for out in self._drain(rid, q):
-            yield out
-
-    async def stream(self, request_id: str, start: Callable[[Engine], RequestOutput | None]
-                     ) -> AsyncIterator[RequestOutput]:
-        """Register a stream, then run `start` on the engine thread (e.g. add_prefilled);
-        a finished output returned by `start` ends the stream at once."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
-        try:
-            first = await self.call(start)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        if first is not None:
-            self._streams.pop(request_id, None)
-            yield first
-            return
-        async for out in self._drain(request_id, q):
-            yield out
+        entry = (loop, q)
+        added = [False]  # engine thread only: start left the request in the engine
 
-    async def _drain(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        def run_start(e):
+            self._pending.discard(entry)
+            try:
+                first = start(e)
+            except BaseException as ex:  # noqa: BLE001 - raised by the stream
+                loop.call_soon_threadsafe(q.put_nowait, _Ended(ex))
+                return
+            if first is not None:
+                loop.call_soon_threadsafe(q.put_nowait, _Ended(first))
+                return
+            # NOTE: routed only once the engine holds the request, so a refused start never
+            # takes over (or drops) the stream of another request of the same id
+            self._streams[rid] = entry
+            added[0] = True
+
+        def abort(e):
+            if added[0]:  # a refused start holds nothing (the id may be another's)
+                e.abort(rid)
+                if self._streams.get(rid) is entry:
+                    del self._streams[rid]
+
         finished = False
+        self._pending.add(entry)
         try:
+            self._check_alive()  # NOTE: after joining _pending: a death from here on reaches q
+            self._cmds.put((run_start, None, None))
             while True:
                 item = await q.get()
+                if type(item) is _Ended:  # start's outcome: nothing of this stream to abort
+                    finished = True
+                    if isinstance(item.value, BaseException):
+                        raise item.value
+                    yield item.value
+                    return
                 if isinstance(item, BaseException):
                     raise EngineDeadError(str(item)) from item
                 yield item
@@ -152,10 +176,13 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(rid, None)
+            self._pending.discard(entry)
+            if self._streams.get(rid) is entry:
+                del self._streams[rid]
             if not finished and not self._stopping and self._dead is None:
-                # consumer left early (cancel / disconnect): free the request's blocks
-                self._cmds.put((lambda e: e.abort(rid), None, None))
+                # consumer left early (cancel / disconnect): free the request's blocks; runs
+                # after run_start (FIFO)
+                self._cmds.put((abort, None, None))
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort(request_id))
@@ -296,7 +323,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - every waiting stream gets the error
             log.exception("engine thread crashed")
             self._dead = e
-            for rid, (loop, q) in list(self._streams.items()):
+            for loop, q in [*self._streams.values(), *self._pending]:
                 loop.call_soon_threadsafe(q.put_nowait, e)
 
     def _hold(self, pacer, now: float | None = None) -> float:
@@ -321,6 +348,15 @@ class AsyncEngine:
                 by_loop.setdefault(s[0], []).append((s[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+class _Ended:
+    """A stream's last item from its start command: the exception it raised or the output it
+    returned."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
 
 
 def _put_all(items) -> None:
