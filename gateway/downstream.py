@@ -220,7 +220,7 @@ class Downstream:
                 m.labels(kind="prompt").inc(n)
                 m.labels(kind="predicted").inc(route.cached if p is route.prefill else 0)
                 m.labels(kind="cached").inc(resp.num_cached_tokens)
-                if resp.kv_backend in POOL_KV_BACKENDS:
+                if resp.kv_backend in POOL_KV_BACKENDS and resp.takes_ticket_follows:
                     p.pool_peers.add(dec.address)
                 else:
                     p.pool_peers.discard(dec.address)

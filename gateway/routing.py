@@ -56,7 +56,8 @@ class Replica:
     last_error: str = ""
     tpot_slos: list[float] = field(default_factory=list)  # decode: of the requests it runs
     many: object = None  # decode: its DecodeMany call (gateway.decode_many), opened on first use
-    # prefill: decode replicas its last handoff to went through a shared pool (vmm / shm)
+    # prefill: decode replicas its last handoff to went through a shared pool (vmm / shm), when
+    # it takes tickets that follow the prompt (an older prefill does not: never sent them)
     pool_peers: set[str] = field(default_factory=set)
 
     def add_inflight(self, tokens: int) -> None:

@@ -262,6 +262,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 request_id=rid, first_token_id=tok, first_logprob=lp,
                 num_prompt_tokens=first.num_prompt_tokens or len(prompt),
                 num_cached_tokens=first.num_cached_tokens, kv_bytes=nbytes, kv_backend=backend,
+                takes_ticket_follows=True,
                 timings=prefill_pb2.PrefillTimings(
                     prefill_ms=(t_first - t_in) * 1e3, transfer_ms=(t_sent - t_first) * 1e3,
                     ticket_wait_ms=(t_ticket - t_first) * 1e3 if t_ticket is not None else 0.0))
