@@ -3,7 +3,8 @@
 Every internal RPC without the shared secret (or with a wrong one) is UNAUTHENTICATED, health
 stays open; a forged or altered ticket is refused before prefill dials anything; Reserve
 cannot hold KV past decode's --reserve-ttl-s; only the reserving process can Decode, Release
-or Abort a request; a service without a secret refuses to start."""
+or Abort a request, and only the process that sent a ticket_follows Prefill can hand it its
+ticket; a service without a secret refuses to start."""
 from __future__ import annotations
 
 import asyncio
@@ -82,6 +83,7 @@ async def test_every_internal_rpc_needs_the_secret(services):
                 "Decode.Load": d.Load(common_pb2.LoadRequest()),
                 "Prefill": p.Prefill(prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=[3])),
                 "Prefill.Load": p.Load(common_pb2.LoadRequest()),
+                "Ticket": p.Ticket(prefill_pb2.TicketRequest(request_id="r")),
                 "PushKV": kv.PushKV(iter(()), timeout=10),  # no message: see PairSession
                 "PoolHandoff": kv.PoolHandoff(kvtransfer_pb2.PoolHandoffRequest(transfer_id="t")),
             }
@@ -156,6 +158,40 @@ async def test_forged_tickets_are_refused(services):
     finally:
         trap.sock.close()
         await c.close()
+
+
+async def test_a_following_ticket_comes_only_from_the_prefills_caller_and_signed(services):
+    pre, dec = services
+    owner = Client(pre.address, dec.address, _auth())
+    other = Client(pre.address, dec.address, _auth())  # same secret, another process
+    pp = params_to_pb(GREEDY)
+    try:
+        t = (await owner.decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="follows", num_prompt_tokens=len(PROMPT), prompt_token_ids=PROMPT,
+            max_tokens=GREEDY.max_tokens), timeout=10)).ticket
+        call = owner.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="follows", prompt_token_ids=PROMPT, params=pp, ticket_follows=True), timeout=30)
+        await asyncio.sleep(0.3)  # the Prefill waits for its ticket
+
+        async def ticket(c, tk):
+            return await _code(c.prefill.Ticket(prefill_pb2.TicketRequest(request_id="follows", ticket=tk),
+                                                timeout=10))
+
+        assert await ticket(other, t) == grpc.StatusCode.PERMISSION_DENIED  # not its request
+        forged = common_pb2.TransferTicket()
+        forged.CopyFrom(t)
+        forged.block_ids.append(63)
+        assert await ticket(owner, forged) == grpc.StatusCode.PERMISSION_DENIED
+        assert await ticket(owner, t) == grpc.StatusCode.OK
+        resp = await call
+        assert resp.kv_backend == "grpc" and resp.kv_bytes > 0  # no pool: from the finished blocks
+        msgs = [m async for m in owner.decode.Decode(decode_pb2.DecodeRequest(
+            request_id="follows", transfer_id=t.transfer_id, prompt_token_ids=PROMPT,
+            first_token_id=resp.first_token_id, params=pp), timeout=60)]
+        assert 1 + sum(len(m.token_ids) for m in msgs) == GREEDY.max_tokens
+    finally:
+        await owner.close()
+        await other.close()
 
 
 async def test_reserve_ttl_is_capped_by_decode(services):
