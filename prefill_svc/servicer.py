@@ -31,14 +31,14 @@ import time
 
 import grpc
 
-from common.auth import caller_id, prompt_digest, ticket_refusal
+from common.auth import caller_id, ticket_refusal
 from common.convert import load_to_pb, logprob_to_pb, params_from_pb
 from common.runtime import Rate
 from common.telemetry import inject_metadata, server_span, set_attrs, span
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import TransferError
 from kvtransfer.endpoint import device_id
-from prefill_svc.tickets import TicketBox, TicketRefused
+from prefill_svc.tickets import TicketBox, TicketRefused, check_ticket_layout, ticket_problem
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
@@ -61,41 +61,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.tickets = TicketBox()                   # tickets that follow their Prefill
 
     def _check_ticket(self, t: common_pb2.TransferTicket) -> None:
-        if not t.transfer_id or not t.decode_address:
-            raise InvalidRequestError("ticket needs transfer_id and decode_address (call decode.Reserve)")
-        lay = t.layout
-        theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, t.block_size)
-        ours = (self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim,
-                self.layout.dtype, self.layout.block_size)
-        if theirs != ours:
-            raise InvalidRequestError(
-                "decode KV layout (layers, kv_heads, head_dim, dtype, block_size) = "
-                f"{theirs} does not match prefill's {ours}: run both with the same model, "
-                "--kv-cache-dtype and --block-size")
+        check_ticket_layout(t, self.layout)
 
-    def _ticket_problem(self, t: common_pb2.TransferTicket, rid: str, prompt_ids
-                        ) -> tuple[grpc.StatusCode, str] | None:
-        """Why this ticket cannot carry this prompt's KV (status, message), or None."""
-        try:
-            self._check_ticket(t)
-            refused = ticket_refusal(self.auth, t, rid, time.time() * 1e3)
-            if refused is not None:  # NOTE: before anything dials ticket.decode_address
-                return grpc.StatusCode.PERMISSION_DENIED, refused
-            n = len(prompt_ids)
-            if t.num_tokens and n != t.num_tokens:
-                raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "
-                                          f"is for {t.num_tokens}")
-            if t.prompt_digest and prompt_digest(prompt_ids) != t.prompt_digest:
-                raise InvalidRequestError("prompt_token_ids differ from the decode "
-                                          "reservation's (ticket.prompt_digest)")
-            skip = t.num_cached_blocks
-            if skip > (n - 1) // self.layout.block_size:  # NOTE: the last block always goes
-                raise InvalidRequestError(f"ticket.num_cached_blocks {skip} exceeds the "
-                                          f"{(n - 1) // self.layout.block_size} full blocks "
-                                          f"before a {n}-token prompt's last token")
-        except InvalidRequestError as e:
-            return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-        return None
+    def _ticket_problem(self, t: common_pb2.TransferTicket, rid: str, prompt_ids):
+        return ticket_problem(t, rid, prompt_ids, self.layout, self.auth)
 
     async def Ticket(self, request: prefill_pb2.TicketRequest, context):
         rid = request.request_id

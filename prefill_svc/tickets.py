@@ -1,4 +1,6 @@
-"""TicketBox: decode tickets that follow their Prefill (PrefillRequest.ticket_follows).
+"""Decode's transfer tickets on the prefill side: what makes one unusable for a prompt
+(`ticket_problem`), and TicketBox, the tickets that follow their Prefill
+(PrefillRequest.ticket_follows).
 
 The gateway reserves on decode while the prompt runs, then sends the ticket by the Ticket RPC.
 A Prefill waits for its ticket after the first token (`wait`); a Ticket that comes before its
@@ -11,8 +13,51 @@ import asyncio
 import time
 from collections import OrderedDict
 
+import grpc
+
+from common.auth import prompt_digest, ticket_refusal
+from engine.sampling_params import InvalidRequestError
+
 EARLY_TTL_S = 30.0
 MAX_EARLY = 4096  # early tickets kept at most (oldest dropped): a caller cannot grow this
+
+
+def check_ticket_layout(t, layout) -> None:
+    """InvalidRequestError unless the ticket names a transfer and our KV layout."""
+    if not t.transfer_id or not t.decode_address:
+        raise InvalidRequestError("ticket needs transfer_id and decode_address (call decode.Reserve)")
+    lay = t.layout
+    theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, t.block_size)
+    ours = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size)
+    if theirs != ours:
+        raise InvalidRequestError(
+            "decode KV layout (layers, kv_heads, head_dim, dtype, block_size) = "
+            f"{theirs} does not match prefill's {ours}: run both with the same model, "
+            "--kv-cache-dtype and --block-size")
+
+
+def ticket_problem(t, rid: str, prompt_ids, layout, auth) -> tuple[grpc.StatusCode, str] | None:
+    """Why this ticket cannot carry this prompt's KV (status, message), or None."""
+    try:
+        check_ticket_layout(t, layout)
+        refused = ticket_refusal(auth, t, rid, time.time() * 1e3)
+        if refused is not None:  # NOTE: before anything dials ticket.decode_address
+            return grpc.StatusCode.PERMISSION_DENIED, refused
+        n = len(prompt_ids)
+        if t.num_tokens and n != t.num_tokens:
+            raise InvalidRequestError(f"prompt has {n} tokens but the decode reservation "
+                                      f"is for {t.num_tokens}")
+        if t.prompt_digest and prompt_digest(prompt_ids) != t.prompt_digest:
+            raise InvalidRequestError("prompt_token_ids differ from the decode "
+                                      "reservation's (ticket.prompt_digest)")
+        skip = t.num_cached_blocks
+        if skip > (n - 1) // layout.block_size:  # NOTE: the last block always goes
+            raise InvalidRequestError(f"ticket.num_cached_blocks {skip} exceeds the "
+                                      f"{(n - 1) // layout.block_size} full blocks "
+                                      f"before a {n}-token prompt's last token")
+    except InvalidRequestError as e:
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    return None
 
 
 class TicketRefused(Exception):
