@@ -21,6 +21,7 @@ from protos import common_pb2, decode_pb2, prefill_pb2
 from tests import harness
 from tests.services.client import Client
 from tests.services.test_disagg_e2e import _colocated
+from tests.services.test_pool_early_answer import _freed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -70,17 +71,6 @@ async def _tokens(c: Client, rid: str, ticket, prompt, pre) -> list[int]:
     return toks
 
 
-async def _freed(c: Client, free0: int, within_s: float = 8.0) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        pl = await c.prefill.Load(common_pb2.LoadRequest(), timeout=5)
-        dl = await c.decode.Load(common_pb2.LoadRequest(), timeout=5)
-        if pl.kv_usage == 0 and dl.reserved == 0 and dl.running == 0 and dl.num_free_blocks == free0:
-            return
-        assert time.monotonic() < deadline, f"blocks still held: prefill {pl} decode {dl}"
-        await asyncio.sleep(0.1)
-
-
 async def test_ticket_during_after_and_before_the_prompt(pair, want):
     pre_p, dec_p = pair
     c = Client(pre_p.address, dec_p.address)
@@ -105,7 +95,7 @@ async def test_ticket_during_after_and_before_the_prompt(pair, want):
         pre = await _prefill(c, "early", PROMPTS[2])
         assert pre.timings.ticket_wait_ms < 100, pre.timings
         assert await _tokens(c, "early", t, PROMPTS[2], pre) == want[2]
-        await _freed(c, free0)
+        await _freed(c, free0, 8.0)
     finally:
         await c.close()
 
@@ -125,7 +115,7 @@ async def test_no_ticket_cancel_and_bad_tickets_end_explicitly(pair):
         call = _prefill(c, "gone", PROMPTS[0])
         await asyncio.sleep(0.5)
         call.cancel()
-        await _freed(c, free0)
+        await _freed(c, free0, 8.0)
         # a ticket of another layout is refused at once, naming the layout
         t = await _reserve(c, "layout", PROMPTS[0])
         bad = common_pb2.TransferTicket()
@@ -147,7 +137,7 @@ async def test_no_ticket_cancel_and_bad_tickets_end_explicitly(pair):
         assert "prompt_digest" in e.value.details(), e.value.details()
         await c.decode.Release(decode_pb2.ReleaseRequest(request_id="layout", transfer_id=t.transfer_id,
                                                          reason="test"), timeout=5)
-        await _freed(c, free0)
+        await _freed(c, free0, 8.0)
     finally:
         await c.close()
 
