@@ -6,12 +6,27 @@
 #   auto1 the same short load with overlap on (pairs with off, same machine)
 #   wide  pd_system 8B with decode's yield ratio 24 and gap cap 150 ms
 #   kills the VMM owner-kill test (50 kills)
+#   mps0  pd_system 8B under an MPS daemon (both processes' kernels run side by side instead of
+#         time-slicing), decode's yield off; mps: the same with the yield at its default;
+#         mpsD: MPS, yield off, decode limited to MPS_PCT (default 40) % of the SMs
+#   1b    pd_system 1B, defaults
 # A stage starts only while BUDGET_S (default 560) seconds have not passed. Usage: OUT=... bash lab/gpu_follow.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-lab/results}
 T0=$(date +%s)
 left() { [ $(( $(date +%s) - T0 )) -lt "${BUDGET_S:-560}" ]; }
+MPS_DIR=/tmp/splitserve-mps
+mps_on() {  # start an MPS control daemon once (user space; the GPU's compute mode is left as is)
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && return 0
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "nvidia-cuda-mps-control: not installed"; return 1; }
+  mkdir -p $MPS_DIR/pipe $MPS_DIR/log
+  export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
+  if ! nvidia-cuda-mps-control -d; then echo "MPS daemon did not start"; unset CUDA_MPS_PIPE_DIRECTORY; return 1; fi
+  sleep 1; echo "== MPS daemon up"; nvidia-smi --query-gpu=compute_mode --format=csv,noheader
+}
+mps_off() { [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && { echo quit | nvidia-cuda-mps-control; sleep 2; tail -5 $MPS_DIR/log/control.log 2>/dev/null; }; }
+trap mps_off EXIT
 SHORT="--clients 16 --max-tokens 32 --lp-batch 2 --reps 9"
 for s in ${STAGES:-auto wide}; do
   left || break
@@ -24,6 +39,14 @@ for s in ${STAGES:-auto wide}; do
     wide) PD_TAG=_wide SPLITSERVE_PREFILL_YIELD_MAX_MS=150 OUT=$OUT MODELS=dummy:llama-3.1-8b YIELD_RATIOS=24 \
            PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
     kills) OUT=$OUT VMM_KILLS=50 bash lab/gpu_system.sh vmm ;;
+    1b) PD_TAG=_auto OUT=$OUT MODELS=dummy:llama-3.2-1b YIELD_RATIOS=default PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
+    mps0|mps|mpsD)
+      if ! mps_on; then echo "== $s: no MPS"; continue; fi
+      y=0; [ $s = mps ] && y=default
+      if [ $s = mpsD ]; then export LAB_MPS_SERVICE=decode_svc LAB_MPS_PCT=${MPS_PCT:-40}; fi
+      PD_TAG=_$s OUT=$OUT MODELS=${MPS_MODELS:-dummy:llama-3.1-8b} YIELD_RATIOS=$y PD_TAIL=${PD_TAIL:-30} \
+        PYTHONPATH=$PWD/lab/mps_site${PYTHONPATH:+:$PYTHONPATH} bash lab/gpu_system.sh pd
+      unset LAB_MPS_SERVICE LAB_MPS_PCT ;;
   esac
 done
 echo "== total $(( $(date +%s) - T0 )) s"
