@@ -13,7 +13,10 @@ each token out through the service, gateway and client, which share the engine's
 or fitted from closed-loop bench.serve runs taken apart from the runs being checked: --idle at
 concurrency 1 (each request alone: TTFT = overhead + prefill, TPOT = one step at batch 1) and
 --loaded at concurrency N > 1 (the row overhead that makes the simulated closed loop's P50 TPOT
-the measured one).
+the measured one; with --fit-ttft-rows also the request overhead per decode row in flight, the
+RPC hops waiting on event loops that stream those rows: planner/fit.py).
+Decode steps follow the engine's measured batches (--decode-curve measured: the fitted line plus
+its residual at each measured batch; `linear`: the line alone).
 Shape: --prefill 0 is `up --topology colocated` (CPU's default), --prefill P --decode D a
 split xPyD with the KV handoff at --kv-gbps. JSON to bench/results/plan_validate-<stamp>.json.
 """
@@ -22,79 +25,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 
 from bench.common import print_table, write_result
 from planner.calibration import calibrate, points_from_bench
-from planner.replay import bench_points, summarize, trace_requests
+from planner.fit import contention_from, fit_contention, fit_idle, fit_rows, fit_ttft_rows
+from planner.replay import bench_points, summarize
 from planner.simulate import Cluster, simulate
 
 METRICS = (("ttft_ms_p50", "P50 TTFT ms"), ("tpot_ms_p50", "P50 TPOT ms"), ("goodput_rps", "goodput r/s"))
-
-
-def fit_idle(doc: dict, cal) -> tuple[float, float]:
-    """(per-request overhead ms, per-step overhead ms) from a closed-loop concurrency-1 run."""
-    run, reqs = closed_run(doc, True)
-    pre, step = [], []
-    for row, r in zip(run["requests"], reqs):
-        if row.get("status") != "ok":
-            continue
-        pre.append(row["ttft_ms"] - cal.prefill_ms(r.input_len))
-        if row.get("tpot_ms") is not None:
-            step.append(row["tpot_ms"] - cal.step_ms(1, r.input_len + r.output_len / 2))
-    if not pre:
-        raise ValueError("--idle: no completed request")
-    return max(0.0, statistics.median(pre)), max(0.0, statistics.median(step)) if step else 0.0
-
-
-def closed_run(doc: dict, want_one: bool) -> tuple[dict, list]:
-    cfg = doc["config"]
-    run = next((r for r in doc["results"]["runs"] if "concurrency" in r and
-                (r["concurrency"] == 1) == want_one), None)
-    if run is None:
-        raise ValueError(f"want a bench.serve result with a --concurrency {'1' if want_one else 'N > 1'} point")
-    reqs = trace_requests(len(run["requests"]), 1.0, cfg["input_len"], cfg["output_len"], cfg.get("seed", 0))
-    return run, reqs
-
-
-def fit_rows(doc: dict, cal, cluster, growth: bool = False) -> float:
-    """Per-row step overhead (ms; with `growth` the per-row-per-row one, Calibration.row_growth)
-    making the simulated closed loop's P50 TPOT the measured one."""
-    run, reqs = closed_run(doc, False)
-    want, n = run["summary"]["tpot_ms_p50"], int(run["concurrency"])
-    d0, d1, d2 = cal.decode
-
-    def tpot(x: float) -> float:
-        c = dataclasses.replace(cal, row_growth=x) if growth else dataclasses.replace(cal, decode=(d0, d1 + x, d2))
-        fresh = [dataclasses.replace(r) for r in reqs]
-        return summarize(simulate(fresh, c, cluster, concurrency=n))["tpot_ms_p50"]
-
-    return solve_increasing(tpot, want, 0.0, 1.0 if growth else 50.0, 30)
-
-
-def solve_increasing(f, want: float, lo: float, hi: float, iters: int) -> float:
-    """x in [lo, hi] with f(x) = want for an f that grows with x (bisection); lo when f(lo)
-    already reaches want."""
-    if f(lo) >= want:
-        return lo
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if f(mid) < want else (lo, mid)
-    return (lo + hi) / 2
-
-
-def contention_from(alone: str, contended: str, shape: str) -> float:
-    """Median over the cases both engine_costs results hold of (time with the other engines
-    busy on the device) / (time alone)."""
-    rows = {}
-    for path in (alone, contended):
-        d = json.loads(open(path).read())
-        rows[path] = {r["case"]: r["eager_ms"] for r in d["results"]["rows"] if r.get("shape") == shape}
-    both = [c for c in rows[contended] if c in rows[alone] and rows[alone][c] > 0]
-    if not both:
-        raise ValueError(f"--contended {contended}: no case in common with {alone}")
-    return max(1.0, statistics.median(rows[contended][c] / rows[alone][c] for c in both))
 
 
 def is_cpu(path: str) -> bool:
@@ -103,26 +42,30 @@ def is_cpu(path: str) -> bool:
 
 def build(a):
     """(calibration with the serving overheads, cluster, (request, step, row overhead ms))."""
-    pre, dec = points_from_bench(a.calibration, a.shape)
-    padded = a.padded_attention == "on" or (a.padded_attention == "auto" and is_cpu(a.calibration))
     if a.fit_contention and not (a.loaded and a.devices):
         raise ValueError("--fit-contention needs --loaded and --devices")
+    if a.fit_ttft_rows and (a.fit_contention or not a.loaded):
+        raise ValueError("--fit-ttft-rows needs --loaded and no --fit-contention (both fit its TTFT)")
+    pre, dec = points_from_bench(a.calibration, a.shape)
+    padded = a.padded_attention == "on" or (a.padded_attention == "auto" and is_cpu(a.calibration))
     cont = a.contention if a.contention is not None else \
         contention_from(a.calibration, a.contended, a.shape) if a.contended else 1.0
-    cal = dataclasses.replace(calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration),
+    cal = dataclasses.replace(calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration,
+                                        curve=a.decode_curve == "measured"),
                               contention=cont, padded_attention=padded,
                               contention_decode=not a.fit_contention)
     fit = fit_idle(json.loads(open(a.idle).read()), cal) if a.idle else (0.0, 0.0)
     over = a.overhead_ms if a.overhead_ms is not None else fit[0]
     step_over = a.step_overhead_ms if a.step_overhead_ms is not None else fit[1]
     d0, d1, d2 = cal.decode
-    cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over)
+    cal = dataclasses.replace(cal, decode=(d0 + step_over, d1, d2), ttft_overhead_ms=over,
+                              ttft_row_ms=a.ttft_row_ms or 0.0)
     cluster = Cluster(a.prefill, a.decode, a.max_batched_tokens, a.max_seqs,
                       handoff_fixed_ms=a.handoff_fixed_ms, admission=a.admission, devices=a.devices)
     loaded = json.loads(open(a.loaded).read()) if a.loaded else None
     high = json.loads(open(a.loaded_high).read()) if a.loaded_high else None
     row_over = 0.0
-    for _ in range(3 if a.fit_contention or high else 1):  # the fits interact: alternate them
+    for _ in range(3 if a.fit_contention or a.fit_ttft_rows or high else 1):  # the fits interact: alternate them
         base = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
         if high:
             cal = dataclasses.replace(cal, row_growth=fit_rows(high, base, cluster, growth=True))
@@ -130,25 +73,14 @@ def build(a):
         if a.fit_contention:
             cal = dataclasses.replace(cal, contention=fit_contention(loaded, base, cluster))
             base = dataclasses.replace(base, contention=cal.contention)
+        if a.fit_ttft_rows:
+            cal = dataclasses.replace(cal, ttft_row_ms=fit_ttft_rows(loaded, base, cluster))
+            base = dataclasses.replace(base, ttft_row_ms=cal.ttft_row_ms)
         base = dataclasses.replace(base, decode=(d0 + step_over, d1, d2))
         row_over = a.row_overhead_ms if a.row_overhead_ms is not None else \
             fit_rows(loaded, base, cluster) if loaded else 0.0
     cal = dataclasses.replace(cal, decode=(d0 + step_over, d1 + row_over, d2))
     return cal, cluster, (over, step_over, row_over)
-
-
-def fit_contention(doc: dict, cal, cluster) -> float:
-    """Contention stretch making the simulated closed loop's P50 TTFT the measured one: the
-    replicas of one device slowing each other, the serving processes on its cores included."""
-    run, reqs = closed_run(doc, False)
-    want, n = run["summary"]["ttft_ms_p50"], int(run["concurrency"])
-
-    def ttft(x: float) -> float:
-        fresh = [dataclasses.replace(r) for r in reqs]
-        return summarize(simulate(fresh, dataclasses.replace(cal, contention=x), cluster,
-                                  concurrency=n))["ttft_ms_p50"]
-
-    return solve_increasing(ttft, want, 1.0, 4.0, 25)
 
 
 def err(pred: float, meas: float) -> float:
@@ -188,6 +120,15 @@ def main(argv=None) -> int:
                     "steps to --loaded's P50 TTFT instead; decode's share of the sharing stays in "
                     "the per-row overhead fitted to its P50 TPOT (the CPU case: the serving "
                     "processes that stream decode's tokens share the prefill engine's cores)")
+    ap.add_argument("--fit-ttft-rows", action="store_true", help="fit the request overhead per "
+                    "decode row in flight to --loaded's P50 TTFT (the request's RPC hops wait on "
+                    "event loops streaming those rows' tokens); the stretch stays --contention / "
+                    "--contended")
+    ap.add_argument("--ttft-row-ms", type=float, default=None, help="request overhead per decode "
+                    "row in flight, given instead of fitted")
+    ap.add_argument("--decode-curve", choices=("measured", "linear"), default="measured",
+                    help="decode step vs batch: through the engine's measured batches (the line "
+                    "plus its residual at each, interpolated) or the fitted line alone")
     ap.add_argument("--padded-attention", choices=("auto", "on", "off"), default="auto",
                     help="decode rows pay for the step's longest context (auto: on for CPU results)")
     ap.add_argument("--tolerance", type=float, default=0.15)
@@ -217,8 +158,9 @@ def main(argv=None) -> int:
     print(f"calibration {a.shape}: prefill_ms(n) = {p0:.3g} + {p1:.3g} n + {p2:.3g} n^2; "
           f"step_ms(B, ctx) = {d0:.3g} + {d1:.3g} B + {d2:.3g} B {'max ' if cal.padded_attention else ''}ctx "
           f"+ {cal.row_growth:.3g} B^2 (overheads incl.: step {step_over:.1f} ms, row {row_over:.2f} ms); request overhead "
-          f"{over:.1f} ms; {cluster.shape}, {cluster.devices or 'a device each'} device(s), "
-          f"contention x{cal.contention:.2f}")
+          f"{over:.1f} ms + {cal.ttft_row_ms:.3g} ms a decode row in flight; {cluster.shape}, "
+          f"{cluster.devices or 'a device each'} device(s), contention x{cal.contention:.2f}; "
+          f"bend {' '.join(f'{b:g}:{y:+.2f}' for b, y in cal.bend) or 'none'}")
     rows = []
     for p in points:
         row = {"rate": f"{p['rate']:g}", "n": p["requests"]}
@@ -238,6 +180,8 @@ def main(argv=None) -> int:
                                                      "contention": cal.contention,
                                                      "contention_decode": cal.contention_decode,
                                                      "row_growth": cal.row_growth,
+                                                     "ttft_row_ms": cal.ttft_row_ms,
+                                                     "bend": cal.bend,
                                                      "padded_attention": cal.padded_attention},
                                      "points": points}))
     return 0

@@ -6,6 +6,7 @@ to meet its TTFT / TPOT SLOs, from cost models fitted to this project's measurem
     model.py         the queueing model (prefill: M/G/c; decode: batch capacity under the TPOT
                      bound) and the search for the smallest xPyD shape
     simulate.py      discrete-event simulation of colocated or xPyD replicas replaying a trace
+    fit.py           the serving path's own costs, fitted from closed-loop benchmark runs
     replay.py        traces in the serving benchmark's format, and the benchmark's figures
     search.py        the shape search on the simulator, started from the queueing model's answer
 

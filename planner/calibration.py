@@ -1,8 +1,15 @@
 """Cost models the planner runs on, fitted by least squares to measured points:
 
     prefill_ms(n)        = p0 + p1 * n + p2 * n^2      (n prompt tokens; n^2: attention)
-    step_ms(batch, ctx)  = d0 + d1 * batch + d2 * batch * ctx   (ctx: mean context; the KV read)
+    step_ms(batch, ctx)  = d0 + d1 * batch + d2 * batch * ctx + bend(batch)
+                           (ctx: mean context; the KV read)
     handoff_ms(n)        = n * kv_bytes_per_token / kv_gbps (0 when kv_gbps is 0: colocated pool)
+
+bend(batch): the engine's step is not linear in its batch (kernels are chosen by batch size:
+CUDA-graph buckets, skinny GEMM vs cuBLAS), so the line's residual at each measured batch
+(mean over the measured contexts) is kept as a knot and interpolated piecewise-linearly in
+batch, held flat beyond the first and last knot. With it the fitted step passes through the
+measured engine rows; without knots (given points of one batch, `curve=False`) it is the line.
 
 Points come from a bench/results JSON (engine_gpu or engine_costs: its 'prefill N' and
 'decode b=B ctx=C' rows for one model shape) or from flags ('N:ms' and 'BxC:ms')."""
@@ -36,8 +43,14 @@ class Calibration:
     row_growth: float = 0.0
     contention_decode: bool = True       # False: only prefill (and colocated) replicas' steps stretch
     padded_attention: bool = False        # decode rows pay for the step's longest context (CPU)
+    bend: tuple = ()                      # ((batch, ms), ...) ascending: step_ms's residual knots
+    # serving-path time a request per decode row in flight when it arrives (ms): its RPC hops
+    # cross event loops that are busy streaming those rows' tokens
+    ttft_row_ms: float = 0.0
 
     def __post_init__(self):
+        if self.ttft_row_ms < 0:
+            raise ValueError(f"ttft_row_ms must be >= 0, got {self.ttft_row_ms}")
         if not self.contention >= 1.0:
             raise ValueError(f"contention must be >= 1 (a shared device never speeds a step), got {self.contention}")
 
@@ -47,7 +60,19 @@ class Calibration:
 
     def step_ms(self, batch: float, ctx: float) -> float:
         d0, d1, d2 = self.decode
-        return d0 + d1 * batch + d2 * batch * ctx
+        return d0 + d1 * batch + d2 * batch * ctx + self.bend_ms(batch)
+
+    def bend_ms(self, batch: float) -> float:
+        """The engine's measured departure from the line at this batch (0 without knots)."""
+        k = self.bend
+        if not k:
+            return 0.0
+        if batch <= k[0][0]:
+            return k[0][1]
+        for (b0, y0), (b1, y1) in zip(k, k[1:]):
+            if batch <= b1:
+                return y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
+        return k[-1][1]
 
     def stretch(self, k: int) -> float:
         return 1.0 + (self.contention - 1.0) * max(0, k - 1)
@@ -85,6 +110,18 @@ def fit_decode(points: list[tuple[int, int, float]]) -> tuple[float, float, floa
     c = np.array([p[1] for p in points], dtype=float)
     y = np.array([p[2] for p in points], dtype=float)
     return _nonneg_lstsq(np.stack([np.ones_like(b), b, b * c], 1), y)
+
+
+def fit_bend(points: list[tuple[int, int, float]], decode: tuple[float, float, float]) -> tuple:
+    """((batch, mean residual ms), ...) of the decode points against the fitted line; () when
+    the points have fewer than two batches (nothing to bend between)."""
+    d0, d1, d2 = decode
+    res: dict[int, list[float]] = {}
+    for b, c, ms in points:
+        res.setdefault(int(b), []).append(ms - (d0 + d1 * b + d2 * b * c))
+    if len(res) < 2:
+        return ()
+    return tuple((float(b), float(np.mean(r))) for b, r in sorted(res.items()))
 
 
 def kv_bytes_per_token(shape: str, kv_dtype_bytes: int = 2) -> int:
@@ -138,8 +175,11 @@ def parse_points(spec: str, decode: bool) -> list[tuple]:
 
 
 def calibrate(prefill_points: list, decode_points: list, kv_bytes: int = 0, kv_gbps: float = 0.0,
-              source: str = "flags", ttft_overhead_ms: float = 0.0) -> Calibration:
+              source: str = "flags", ttft_overhead_ms: float = 0.0, curve: bool = True) -> Calibration:
+    """The fits; `curve`: keep the decode line's residual knots (Calibration.bend)."""
     if ttft_overhead_ms < 0:
         raise ValueError(f"ttft_overhead_ms must be >= 0, got {ttft_overhead_ms}")
-    return Calibration(fit_prefill(prefill_points), fit_decode(decode_points), kv_bytes, kv_gbps,
-                       source, {"prefill": prefill_points, "decode": decode_points}, ttft_overhead_ms)
+    dec = fit_decode(decode_points)
+    return Calibration(fit_prefill(prefill_points), dec, kv_bytes, kv_gbps,
+                       source, {"prefill": prefill_points, "decode": decode_points}, ttft_overhead_ms,
+                       bend=fit_bend(decode_points, dec) if curve else ())

@@ -85,7 +85,7 @@ def step_cost(cal: Calibration, chunks: list[tuple[int, int]], rows: int, ctx_su
         t += p0 + sum(p1 * n + p2 * n * (n + past) for n, past in chunks)
     if rows:
         ctx = rows * max(ctx_max, ctx_sum / rows) if cal.padded_attention else ctx_sum
-        t += d0 + d1 * rows + cal.row_growth * rows * rows + d2 * ctx
+        t += d0 + d1 * rows + cal.row_growth * rows * rows + d2 * ctx + cal.bend_ms(rows)
     if chunks and rows:
         t -= min(p0, d0)
     return t
@@ -146,7 +146,10 @@ class Simulator:
         for r in (reqs[:concurrency] if concurrency else reqs):
             if concurrency:
                 r.arrival_ms = 0.0
-            self._at(r.arrival_ms + self.overhead, self._arrive, r)
+            if self.cal.ttft_row_ms:  # counted when it is sent
+                self._at(r.arrival_ms, self._send, r)
+            else:
+                self._send(r.arrival_ms, r)
         while self.events:
             t, _, fn, args = heapq.heappop(self.events)
             fn(t, *args)
@@ -156,7 +159,13 @@ class Simulator:
         if self.backlog:  # closed loop: that client sends its next request
             r = self.backlog.popleft()
             r.arrival_ms = t
-            self._at(t + self.overhead, self._arrive, r)
+            self._send(t, r)
+
+    def _send(self, t: float, r: SimRequest) -> None:
+        """The request's serving-path hops before it queues for prefill: a fixed time, plus
+        Calibration.ttft_row_ms for each decode row in flight as it is sent."""
+        rows = sum(x.load() for x in self.dec) if self.cal.ttft_row_ms else 0
+        self._at(t + self.overhead + self.cal.ttft_row_ms * rows, self._arrive, r)
 
     def _handoff_ms(self, n: int) -> float:
         return 0.0 if self.c.prefill == 0 else self.cal.handoff_ms(n) + self.c.handoff_fixed_ms
