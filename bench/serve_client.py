@@ -43,6 +43,12 @@ class Outcome:
     pred_ttft_ms: float | None = None
     pred_tpot_ms: float | None = None
     gw_ttft_ms: float | None = None
+    parts: dict | None = None  # the gateway's TTFT parts and its model's (PARTS keys present)
+
+
+# timings kept per request: where the TTFT went and what the admission model said of each part
+PARTS = ("queue_ms", "prefill_ms", "transfer_ms", "predicted_raw_ttft_ms",
+         "predicted_idle_ttft_ms", "predicted_ttft_bucket")
 
 
 def _timings(o: Outcome, t: dict) -> None:
@@ -51,6 +57,9 @@ def _timings(o: Outcome, t: dict) -> None:
         o.pred_ttft_ms, o.pred_tpot_ms = t["predicted_ttft_ms"], t.get("predicted_tpot_ms") or None
         if t.get("ttft_ms"):
             o.gw_ttft_ms = t["ttft_ms"] - t.get("admitted_ms", 0.0)
+    parts = {k: t[k] for k in PARTS if isinstance(t.get(k), (int, float))}
+    if parts:
+        o.parts = parts
 
 
 @dataclass
@@ -201,7 +210,11 @@ class GrpcClient:
                     t = m.timings
                     _timings(o, {"predicted_ttft_ms": t.predicted_ttft_ms, "ttft_ms": t.ttft_ms,
                                  "predicted_tpot_ms": t.predicted_tpot_ms,
-                                 "admitted_ms": t.admitted_ms})
+                                 "admitted_ms": t.admitted_ms, "prefill_ms": t.prefill_ms,
+                                 "transfer_ms": t.transfer_ms,
+                                 "predicted_raw_ttft_ms": t.predicted_raw_ttft_ms,
+                                 "predicted_idle_ttft_ms": t.predicted_idle_ttft_ms,
+                                 "predicted_ttft_bucket": t.predicted_ttft_bucket})
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 md = dict(e.trailing_metadata() or ())

@@ -152,6 +152,8 @@ def outcome_rows(outs: list[Outcome]) -> list[dict]:
             for k in ("pred_ttft_ms", "pred_tpot_ms", "gw_ttft_ms"):
                 if getattr(o, k) is not None:
                     r[k] = round(getattr(o, k), 3)
+            if getattr(o, "parts", None):
+                r["parts"] = {k: round(float(v), 3) for k, v in o.parts.items()}
         else:
             r.update(code=o.code, error=o.error, retry_after_s=o.retry_after_s,
                      predicted_ms=o.predicted_ms)

@@ -73,4 +73,8 @@ def prediction_timings(pred, admitted_s: float) -> dict:
     predicted_ttft_ms with ttft_ms - admitted_ms (both from the admit decision)."""
     t = pred.est_ttft_ms if pred.est_ttft_ms is not None else pred.ttft_ms
     p = pred.est_tpot_ms if pred.est_tpot_ms is not None else pred.tpot_ms
-    return {"predicted_ttft_ms": t, "predicted_tpot_ms": p, "admitted_ms": admitted_s * 1e3}
+    raw = pred.raw_ttft_ms if pred.raw_ttft_ms is not None else pred.ttft_ms
+    # the model's parts (queue = raw - idle) let a benchmark say which one missed
+    return {"predicted_ttft_ms": t, "predicted_tpot_ms": p, "admitted_ms": admitted_s * 1e3,
+            "predicted_raw_ttft_ms": raw, "predicted_idle_ttft_ms": pred.idle_ttft_ms,
+            "predicted_ttft_bucket": pred.ttft_bucket}

@@ -158,5 +158,11 @@ def test_predictions_land_near_observed_at_steady_load(up, tmp_path, monkeypatch
     ape = sorted(abs(r["pred_ttft_ms"] - r["gw_ttft_ms"]) / r["gw_ttft_ms"] for r in late)
     assert ape[len(ape) // 2] <= 0.5, [(r["pred_ttft_ms"], r["gw_ttft_ms"]) for r in late]
     assert all(r["pred_tpot_ms"] > 0 for r in rows)
+    # the parts: measured prefill window inside the TTFT; the model's queue part never negative
+    for r in rows:
+        p = r["parts"]
+        assert 0 < p["prefill_ms"] <= r["gw_ttft_ms"] + 1, r
+        assert p["predicted_raw_ttft_ms"] >= p["predicted_idle_ttft_ms"] > 0, r
+        assert p["predicted_ttft_bucket"] in (0, 1, 2, 3), r
     s = run["summary"]
     assert 0 <= s["ttft_prediction_ape_median"] < 1 and run["gateway"]["reject"] == 0

@@ -177,7 +177,10 @@ async def test_duplicate_request_id_is_409_and_the_first_goes_on(stack):
     async with _client(stack) as c:
         body = {**COMP, "max_tokens": 30, "request_id": "dup-1"}
         first = asyncio.create_task(c.post("/v1/completions", json=body))
-        await asyncio.sleep(0.1)  # the first is decoding
+        for _ in range(500):  # until the first is decoding (a loaded machine takes longer)
+            if stack.decodes[0].running:
+                break
+            await asyncio.sleep(0.01)
         assert stack.decodes[0].running
         r = await c.post("/v1/completions", json={**body, "stream": True})
         assert r.status_code == 409, r.text
