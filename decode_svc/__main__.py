@@ -13,7 +13,7 @@ from common.service_args import (add_engine_args, add_kv_transfer_args, add_serv
 # GPU; CPU: a step is compute on the cores prefill shares, and spacing steps slowed decode
 # without speeding prefill up. Measured by `python -m bench.pd_system` (the 64-client case)
 # with SPLITSERVE_PREFILL_YIELD_RATIO set to each value.
-GPU_YIELD_RATIO = 12.0
+GPU_YIELD_RATIO = 24.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,10 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-yield-ratio", type=float,
                    default=env_float("SPLITSERVE_PREFILL_YIELD_RATIO", None),
                    help="while a prefill on this device has prompts for us in flight, start "
-                        "steps at most every this many step times (0: never yield; default 12 on "
+                        "steps at most every this many step times (0: never yield; default 24 on "
                         "a GPU, 0 on CPU, where a step is not one weight read but compute)")
     p.add_argument("--prefill-yield-max-ms", type=float,
-                   default=env_float("SPLITSERVE_PREFILL_YIELD_MAX_MS", 50.0),
+                   default=env_float("SPLITSERVE_PREFILL_YIELD_MAX_MS", 150.0),
                    help="the longest gap between steps while yielding (also capped at half the "
                         "tightest TPOT budget of the running requests)")
     a = p.parse_args(argv)
