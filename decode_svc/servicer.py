@@ -57,7 +57,7 @@ class DecodeServicer(ManyMixin, StreamingMixin, decode_pb2_grpc.DecodeServicer):
         self._callers: dict[str, str] = {}  # request id -> caller_id of the process that owns it
         self.transfer_timeout_s = transfer_timeout_s
         self._reserved_tokens: dict[str, int] = {}  # transfer id -> prompt tokens
-        self._running: dict[str, tuple] = {}  # request id -> (pump task, its output queue)
+        self._running: dict[str, tuple] = {}  # request id -> (its stream task, engine stream)
         # request id -> transfer id of its current (unclaimed) reservation; read by the sink
         self.owner: dict[str, str] = owner if owner is not None else {}
         self.kv_backends = list(kv_backends)  # advertised in tickets, preferred first
@@ -259,9 +259,9 @@ class DecodeServicer(ManyMixin, StreamingMixin, decode_pb2_grpc.DecodeServicer):
             return True
         running = self._running.pop(rid, None)
         if running is not None:
-            pump_task, q = running
-            pump_task.cancel()  # closes the engine stream: the engine request is aborted
-            q.put_nowait(_ABORTED)  # the Decode stream ends with FINISH_REASON_ABORT
+            # the Decode stream ends with FINISH_REASON_ABORT (unless it just ended by itself)
+            # and closing its engine stream aborts the engine request
+            self.engine.interrupt(rid, _ABORTED)
             await _abort_quietly(self.engine, rid)
             return True
         return False

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 
 import grpc
 
 from common.convert import FINISH_REASONS, logprob_to_pb
-from engine.request import RequestOutput
 from engine.sampling_params import InvalidRequestError
 from protos import decode_pb2, generate_pb2
 
@@ -25,8 +23,9 @@ class StreamingMixin:
     """Needs engine (AsyncEngine), metrics, _running, _callers and _generated (DecodeServicer)."""
 
     async def _stream(self, rid, request, params, wait_ms, here: bool = False):
-        """Yield DecodeResponses. The engine stream is read by a pump task into a local queue,
-        so Abort (another RPC) can end this stream at once by queueing _ABORTED.
+        """Yield DecodeResponses, reading the engine's stream of the request directly (outputs
+        that queued while this reader was busy come merged); Abort, another RPC, ends it at
+        once through AsyncEngine.interrupt.
         here: the prompt runs in this engine (prefill_here); else its KV is in place and
         request.first_token_id was sampled by prefill."""
         prompt = [int(x) for x in request.prompt_token_ids]
@@ -35,50 +34,38 @@ class StreamingMixin:
         detok = tok.detokenizer(prompt, params) if tok is not None and (request.detokenize or params.stop) else None
         pending_text, stop = detok.step([first]) if detok is not None and first is not None else ("", None)
         text_out = bool(request.detokenize)
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump():
-            try:
-                # NOTE: blocks are ours since claim(); a join that fails frees them
-                outs = (self.engine.generate(rid, prompt, params) if here
-                        else self.engine.stream_prefilled(rid, prompt, first, params))
-                async with contextlib.aclosing(outs) as agen:
-                    async for out in agen:
-                        q.put_nowait(out)
-                q.put_nowait(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - delivered to the handler
-                q.put_nowait(e)
-
         n_gen, t_last, first_msg, outcome = int(not here), time.perf_counter(), True, "abort"
         t_first = None if here else t_last  # the first token's time: decode time starts there
-        pump_task = None
+        outs, ended = None, False  # ended: the engine stream finished on its own
         try:
             if stop is not None:  # the first token already completed a stop string
                 await self.engine.release(rid)
                 outcome = "stop"
                 yield self._msg([], pending_text if text_out else "", [], "stop", stop, wait_ms, n_gen)
                 return
-            pump_task = asyncio.get_running_loop().create_task(pump())
-            self._running[rid] = (pump_task, q)
+            # NOTE: blocks are ours since claim(); a join that fails frees them
+            outs = (self.engine.generate(rid, prompt, params, merge=True) if here
+                    else self.engine.stream_prefilled(rid, prompt, first, params, merge=True))
+            self._running[rid] = (asyncio.current_task(), outs)
             pacer = getattr(self.engine, "pacer", None)  # decode_svc.pacing.StepPacer
             if pacer is not None:
                 pacer.add_budget(rid, request.tpot_ms)
-            held = None  # an item _coalesce took but could not merge: the next one to handle
             while True:
-                out, held = _coalesce(held if held is not None else await q.get(), q)
-                if out is _END:
-                    raise RuntimeError("engine stream ended without a finished output")
+                try:
+                    out = await outs.__anext__()
+                    ended = out is not _ABORTED and out.finished
+                except StopAsyncIteration:
+                    ended = True
+                    raise RuntimeError("engine stream ended without a finished output") from None
+                except InvalidRequestError as e:
+                    ended, outcome = True, "error"
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                except Exception as e:  # noqa: BLE001 - the engine's failure, this request's error
+                    ended, outcome = True, "error"
+                    raise RuntimeError(str(e)) from e
                 if out is _ABORTED:
                     yield self._msg([], "", [], "abort", "", 0.0, n_gen)
                     return
-                if isinstance(out, InvalidRequestError):
-                    outcome = "error"
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
-                if isinstance(out, BaseException):
-                    outcome = "error"
-                    raise RuntimeError(str(out)) from out
                 if out.finish_reason == "error":
                     outcome = "error"
                     raise RuntimeError(out.error or "engine error")
@@ -116,14 +103,16 @@ class StreamingMixin:
                 if reason is not None:
                     return
         finally:
-            if self._running.get(rid, (None,))[0] is pump_task:
+            if outs is not None and self._running.get(rid, (None, None))[1] is outs:
                 self._running.pop(rid, None)
                 self._callers.pop(rid, None)
                 if getattr(self.engine, "pacer", None) is not None:
                     self.engine.pacer.drop_budget(rid)
-            if pump_task is not None and not pump_task.done():
-                pump_task.cancel()  # closing the engine stream aborts the request
-                # NOTE: if add_prefilled was still queued, the abort below runs after it (FIFO)
+            if outs is not None and not ended:
+                # NOTE: closing an engine stream that has not finished aborts the request (a
+                # stop string, an Abort, a cancel); its abort runs after its start (FIFO)
+                with contextlib.suppress(Exception):
+                    await outs.aclose()
                 asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
             self.metrics.requests.labels(outcome=outcome).inc()
             if outcome != "error":
@@ -137,7 +126,6 @@ class StreamingMixin:
             stop_reason=str(stop or ""), transfer_wait_ms=wait_ms, num_generated=n_gen)
 
 
-_END = object()
 _ABORTED = object()
 
 
@@ -146,28 +134,6 @@ async def _abort_quietly(engine, rid: str) -> None:
         await engine.abort(rid)
     except Exception:  # noqa: BLE001 - engine gone: nothing left to free
         log.debug("abort of %s failed", rid, exc_info=True)
-
-
-def _mergeable(x) -> bool:
-    return isinstance(x, RequestOutput) and x.finish_reason != "error"
-
-
-def _coalesce(out, q: asyncio.Queue):
-    """Merge the outputs already queued behind `out` into one message (a stream whose reader
-    fell behind catches up in one write instead of one per token). -> (message, an item taken
-    from the queue that could not be merged, to be handled next, or None)."""
-    if not _mergeable(out) or out.finished:
-        return out, None
-    while not q.empty():
-        nxt = q.get_nowait()
-        if not _mergeable(nxt):
-            return out, nxt
-        out = dataclasses.replace(out, new_token_ids=out.new_token_ids + nxt.new_token_ids,
-                                  logprobs=out.logprobs + nxt.logprobs, finished=nxt.finished,
-                                  finish_reason=nxt.finish_reason)
-        if out.finished:
-            break
-    return out, None
 
 
 class _Abort(Exception):

@@ -7,11 +7,13 @@ so Engine itself needs no locks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import uuid
+import weakref
 from typing import AsyncIterator, Callable, Mapping, TypeVar
 
 from engine.config import EngineConfig
@@ -37,6 +39,9 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # C: cheaper put / wake-up
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending: set = set()  # (loop, q) of streams whose start has not run yet
+        # request id -> its stream's queue, for interrupt() on the stream's own loop (weak: a
+        # stream opened and never iterated leaves nothing behind)
+        self._inboxes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
@@ -106,32 +111,61 @@ class AsyncEngine:
         return await fut
 
     def generate(self, request_id: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, prefill_only: bool = False
+                 params: SamplingParams, prefill_only: bool = False, merge: bool = False
                  ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; leaving the iterator early aborts it. An error of
-        add_request (e.g. InvalidRequestError) is raised by the first iteration."""
+        add_request (e.g. InvalidRequestError) is raised by the first iteration. merge: the
+        outputs that queued while the reader was busy come as one (tokens concatenated)."""
         rid = request_id or uuid.uuid4().hex
 
         def start(e):
             e.add_request(rid, prompt_token_ids, params, prefill_only)
 
-        return self._open(rid, start, params)
+        return self._open(rid, start, params, merge)
 
-    def stream(self, request_id: str, start: Callable[[Engine], RequestOutput | None]
-               ) -> AsyncIterator[RequestOutput]:
+    def stream(self, request_id: str, start: Callable[[Engine], RequestOutput | None],
+               merge: bool = False) -> AsyncIterator[RequestOutput]:
         """Run `start` on the engine thread (e.g. add_prefilled) and stream the request's
         outputs; start's error is raised, and an output it returns ends the stream at once."""
-        return self._open(request_id, start)
+        return self._open(request_id, start, None, merge)
 
-    async def _open(self, rid: str, start: Callable[[Engine], RequestOutput | None],
-                    params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    def interrupt(self, request_id: str, value) -> bool:
+        """End the open stream of `request_id` from its own event loop: after the outputs
+        already queued it yields `value` and stops, aborting the request as a reader that
+        leaves early does. -> False if no stream of that id is open."""
+        q = self._inboxes.get(request_id)
+        if q is None:
+            return False
+        q.put_nowait(Interrupted(value))
+        return True
+
+    def _open(self, rid: str, start: Callable[[Engine], RequestOutput | None],
+              params: SamplingParams | None = None, merge: bool = False,
+              release_on_error: bool = False) -> AsyncIterator[RequestOutput]:
+        # NOTE: the queue is registered now, not at the first iteration, so interrupt() reaches
+        # a stream that is still compiling its grammar
+        q: asyncio.Queue = asyncio.Queue()
+        self._inboxes[rid] = q
+        return self._iterate(rid, q, start, params, merge, release_on_error)
+
+    async def _iterate(self, rid: str, q: asyncio.Queue,
+                       start: Callable[[Engine], RequestOutput | None],
+                       params: SamplingParams | None, merge: bool,
+                       release_on_error: bool) -> AsyncIterator[RequestOutput]:
         """The stream of `rid`: queue `start` without awaiting it (the engine thread runs it
         and steps on with no event-loop wake-up in between) and yield what reaches its queue.
-        start's outcome lands there before any step output (one thread, FIFO)."""
-        if params is not None and params.guided is not None:
-            await self.precompile(params)
+        start's outcome lands there before any step output (one thread, FIFO).
+        release_on_error: a grammar that fails to compile frees the request's reserved blocks."""
+        try:
+            if params is not None and params.guided is not None:
+                await self.precompile(params)
+        except BaseException:
+            if self._inboxes.get(rid) is q:
+                del self._inboxes[rid]
+            if release_on_error:
+                await self.release(rid)
+            raise
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
         entry = (loop, q)
         added = [False]  # engine thread only: start left the request in the engine
 
@@ -161,16 +195,22 @@ class AsyncEngine:
         try:
             self._check_alive()  # NOTE: after joining _pending: a death from here on reaches q
             self._cmds.put((run_start, None, None))
+            held = None  # an item the merge took but could not merge: the next one
             while True:
-                item = await q.get()
+                item, held = (held, None) if held is not None else (await q.get(), None)
                 if type(item) is _Ended:  # start's outcome: nothing of this stream to abort
                     finished = True
                     if isinstance(item.value, BaseException):
                         raise item.value
                     yield item.value
                     return
+                if type(item) is Interrupted:
+                    yield item.value
+                    return
                 if isinstance(item, BaseException):
                     raise EngineDeadError(str(item)) from item
+                if merge:
+                    item, held = _merge_queued(item, q)
                 yield item
                 if item.finished:
                     finished = True
@@ -179,6 +219,8 @@ class AsyncEngine:
             self._pending.discard(entry)
             if self._streams.get(rid) is entry:
                 del self._streams[rid]
+            if self._inboxes.get(rid) is q:
+                del self._inboxes[rid]
             if not finished and not self._stopping and self._dead is None:
                 # consumer left early (cancel / disconnect): free the request's blocks; runs
                 # after run_start (FIFO)
@@ -228,9 +270,9 @@ class AsyncEngine:
         if params.guided is not None:
             await asyncio.to_thread(self.engine.grammars.compile, params.guided)
 
-    async def stream_prefilled(self, request_id: str, prompt_token_ids: list[int],
-                               first_token_id: int, params: SamplingParams
-                               ) -> AsyncIterator[RequestOutput]:
+    def stream_prefilled(self, request_id: str, prompt_token_ids: list[int],
+                         first_token_id: int, params: SamplingParams, merge: bool = False
+                         ) -> AsyncIterator[RequestOutput]:
         """Decode side: join a request on its reserved blocks (add_prefilled) and stream its
         outputs, as `stream`. If joining fails the blocks are freed (the caller owns them)."""
         def start(e):
@@ -240,13 +282,7 @@ class AsyncEngine:
                 e.release(request_id)
                 raise
 
-        try:
-            await self.precompile(params)
-        except BaseException:
-            await self.release(request_id)
-            raise
-        async for out in self.stream(request_id, start):
-            yield out
+        return self._open(request_id, start, params, merge, release_on_error=True)
 
     def kv_cache_tensors(self) -> list:
         """Engine.kv_cache_tensors (fixed after start, so readable from the event loop)."""
@@ -348,6 +384,31 @@ class AsyncEngine:
                 by_loop.setdefault(s[0], []).append((s[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+class Interrupted:
+    """An item a stream's own loop put in it (AsyncEngine.interrupt): yield value, then end."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _merge_queued(out: RequestOutput, q: asyncio.Queue):
+    """`out` with the outputs already queued behind it merged in (a reader that fell behind
+    catches up in one item) -> (output, an item taken that could not be merged, or None)."""
+    if out.finished or out.finish_reason == "error":
+        return out, None
+    while not q.empty():
+        nxt = q.get_nowait()
+        if not isinstance(nxt, RequestOutput) or nxt.finish_reason == "error":
+            return out, nxt
+        out = dataclasses.replace(out, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                                  logprobs=out.logprobs + nxt.logprobs, finished=nxt.finished,
+                                  finish_reason=nxt.finish_reason)
+        if out.finished:
+            break
+    return out, None
 
 
 class _Ended:

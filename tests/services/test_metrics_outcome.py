@@ -27,7 +27,7 @@ class _Engine:
         self.n = n
         self.aborted: list[str] = []
 
-    async def generate(self, rid, prompt, params):
+    async def generate(self, rid, prompt, params, merge=False):
         for i in range(self.n):
             yield RequestOutput(rid, [100 + i], finished=i == self.n - 1,
                                 finish_reason="length" if i == self.n - 1 else None,
