@@ -120,6 +120,8 @@ class StreamingMixin:
 
     @staticmethod
     def _msg(ids, text, lps, reason, stop, wait_ms, n_gen):
+        if not (text or lps or reason or stop or wait_ms):  # a plain step: half the build cost
+            return decode_pb2.DecodeResponse(token_ids=ids, num_generated=n_gen)
         return decode_pb2.DecodeResponse(
             token_ids=ids, text=text, logprobs=[x for x in lps if x is not None],
             finish_reason=FINISH_REASONS.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED),
