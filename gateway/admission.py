@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from gateway.calibration import AttainmentGuard, Calibrator, OnlineLinear, RobustLinear
 
 YOUNG_FIT = 8  # prefill samples before the fit alone predicts (see observe_prefill)
+TTFT_FACTOR_WINDOW = 64  # outcomes per bucket the TTFT correction is the median of
 
 
 @dataclass
@@ -166,7 +167,9 @@ class Predictor:
         # prompts a decode replica prefills in its own steps (--prefill-on-decode): another
         # engine, often the only one prefilling (auto on one GPU), so a fit of its own
         self.here_fit = RobustLinear(0.0, per_token)
-        self.ttft_cal = Calibrator(additive=True)
+        # a bucket's factor is the median of its recent ratios, steadier than an EWMA under
+        # queueing (measured by `python -m lab.admission_replay RUN.json`)
+        self.ttft_cal = Calibrator(additive=True, factor_window=TTFT_FACTOR_WINDOW)
         # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
         self.tpot_cal = Calibrator(additive=False)
         q = cfg.headroom_quantile

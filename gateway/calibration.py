@@ -109,8 +109,12 @@ class Calibrator:
 
     def __init__(self, buckets: int = 4, additive: bool = True, max_factor: float = 2.0,
                  alpha: float = 0.15, max_offset_ms: float = 2000.0, min_samples: int = 4,
-                 window: int = 256):
+                 window: int = 256, factor_window: int | None = None):
         self.buckets, self.additive = buckets, additive
+        # factor_window: a bucket's factor is the median of its last this many log ratios once
+        # it has MEDIAN_AFTER (the EWMA until then): an EWMA of a ratio as dispersed as a
+        # queued prompt's TTFT over its prediction swings 0.8-1.6 from one outcome to the next
+        self._logs = [deque(maxlen=factor_window) for _ in range(buckets)] if factor_window else None
         self.max_factor, self.alpha = max_factor, alpha
         self.max_offset_ms, self.min_samples = max_offset_ms, min_samples
         self.offset = 0.0
@@ -131,6 +135,8 @@ class Calibrator:
         b = self._bucket(bucket)
         if self.additive and b == 0:
             return 1.0
+        if self._logs is not None and len(self._logs[b]) >= MEDIAN_AFTER:
+            return math.exp(median(self._logs[b]))
         if self._n[b] >= self.min_samples:
             return math.exp(self._log_f[b])
         return math.exp(self._pooled) if self._pooled_n else 1.0
@@ -177,6 +183,8 @@ class Calibrator:
         else:
             x = math.log(min(max((observed_ms - self.offset) / raw_ms, lo), hi))
             self._log_f[b] += self.alpha * (x - self._log_f[b])
+            if self._logs is not None:
+                self._logs[b].append(x)
             self._pooled += self.alpha * (x - self._pooled)
             self._pooled_n += 1
         self._n[b] += 1

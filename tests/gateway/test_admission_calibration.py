@@ -371,3 +371,19 @@ def test_offset_predicts_the_common_case_of_a_bimodal_ttft():
     errs.sort()
     assert 3.0 <= cal.offset <= 10.0
     assert errs[len(errs) // 2] < 0.15
+
+
+def test_factor_window_holds_the_median_through_a_run_of_outliers():
+    """factor_window: a bucket's factor is the median of its recent log ratios, so a few fast
+    outcomes in a row (a queue that drained early) do not drag it as they drag the EWMA."""
+    med, ewma = Calibrator(additive=True, factor_window=64), Calibrator(additive=True)
+    for cal in (med, ewma):
+        for _ in range(60):
+            cal.observe(100.0, 100.0, 150.0, 3)
+        for _ in range(6):
+            cal.observe(100.0, 100.0, 60.0, 3)
+    assert med.factor(3) == pytest.approx(1.5, rel=0.01)
+    assert ewma.factor(3) < 1.0
+    young = Calibrator(additive=True, factor_window=64)
+    young.observe(100.0, 100.0, 150.0, 2)  # before MEDIAN_AFTER outcomes: the EWMA's step
+    assert 1.0 < young.factor(2) < 1.5
