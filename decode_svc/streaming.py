@@ -1,6 +1,6 @@
-"""The Decode stream of one request: the engine's outputs read by a pump task into a local
-queue (so Abort, another RPC, can end the stream at once), outputs that queued up while the
-client was slow merged into one message, text detokenized incrementally, metrics observed.
+"""The Decode stream of one request: the engine's stream read directly (outputs that queued
+up while the reader was busy come merged into one message; Abort, another RPC, ends it at once
+through AsyncEngine.interrupt), text detokenized incrementally, metrics observed.
 DecodeServicer (decode_svc/servicer.py) inherits it.
 """
 from __future__ import annotations
