@@ -33,10 +33,12 @@ class RequestAborted(Exception):
 class _RequestContext:
     """What Decode reads of its servicer context, for one request of a DecodeMany call."""
 
-    def __init__(self, call_context, trace_context: dict):
+    def __init__(self, call_context, trace_context: dict, emit=None):
         md = [(k, v) for k, v in (call_context.invocation_metadata() or ()) if k not in _TRACE_KEYS]
         self._md = tuple(md) + tuple((str(k).lower(), str(v)) for k, v in trace_context.items())
         self._call = call_context
+        # Decode hands each message to emit as the step makes it (StreamingMixin._stream_batched)
+        self.emit = emit
 
     def invocation_metadata(self):
         return self._md
@@ -79,7 +81,10 @@ class ManyMixin:
                 out.put_nowait(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
                                       f"request {rid!r} is already running on this call"))
                 return
-            ctx = _RequestContext(context, dict(st.trace_context))
+            def emit(resp, rid=rid) -> None:
+                out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
+
+            ctx = _RequestContext(context, dict(st.trace_context), emit)
             # NOTE: a fresh contextvars context: its spans continue the request's own trace,
             # not the long-lived call's
             tasks[rid] = loop.create_task(run_one(st.request, ctx), context=contextvars.Context())

@@ -1,6 +1,10 @@
-"""The Decode stream of one request: the engine's stream read directly (outputs that queued
-up while the reader was busy come merged into one message; Abort, another RPC, ends it at once
-through AsyncEngine.interrupt), text detokenized incrementally, metrics observed.
+"""The Decode stream of one request, in two forms over one StreamState (stream_state.py):
+- `_stream`: an async generator reading the engine's stream directly (outputs that queued up
+  while the reader was busy come merged into one message); the Decode RPC's form;
+- `_stream_batched`: the engine calls the stream's sink on the loop in the step's one wake-up
+  and each message goes to `emit` at once, with no task woken per request a step; DecodeMany's
+  form (its writer sends a step's messages as one batch).
+Abort, another RPC, ends either at once through AsyncEngine.interrupt.
 DecodeServicer (decode_svc/servicer.py) inherits it.
 """
 from __future__ import annotations
@@ -8,48 +12,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import grpc
 
-from common.convert import FINISH_REASONS, logprob_to_pb
+from decode_svc.stream_state import StreamAbort, StreamState
 from engine.sampling_params import InvalidRequestError
-from protos import decode_pb2, generate_pb2
 
 log = logging.getLogger("splitserve.decode")
+
+_Abort = StreamAbort
+_ABORTED = object()
 
 
 class StreamingMixin:
     """Needs engine (AsyncEngine), metrics, _running, _callers and _generated (DecodeServicer)."""
 
     async def _stream(self, rid, request, params, wait_ms, here: bool = False):
-        """Yield DecodeResponses, reading the engine's stream of the request directly (outputs
-        that queued while this reader was busy come merged); Abort, another RPC, ends it at
-        once through AsyncEngine.interrupt.
-        here: the prompt runs in this engine (prefill_here); else its KV is in place and
-        request.first_token_id was sampled by prefill."""
-        prompt = [int(x) for x in request.prompt_token_ids]
-        first = None if here else int(request.first_token_id)
-        tok = self.engine.tokenizer
-        detok = tok.detokenizer(prompt, params) if tok is not None and (request.detokenize or params.stop) else None
-        pending_text, stop = detok.step([first]) if detok is not None and first is not None else ("", None)
-        text_out = bool(request.detokenize)
-        n_gen, t_last, first_msg, outcome = int(not here), time.perf_counter(), True, "abort"
-        t_first = None if here else t_last  # the first token's time: decode time starts there
+        """Yield DecodeResponses. here: the prompt runs in this engine (prefill_here); else its
+        KV is in place and request.first_token_id was sampled by prefill."""
+        st = StreamState(self, request, params, wait_ms, here)
         outs, ended = None, False  # ended: the engine stream finished on its own
         try:
-            if stop is not None:  # the first token already completed a stop string
+            m = st.stop_at_first()
+            if m is not None:
                 await self.engine.release(rid)
-                outcome = "stop"
-                yield self._msg([], pending_text if text_out else "", [], "stop", stop, wait_ms, n_gen)
+                yield m
                 return
             # NOTE: blocks are ours since claim(); a join that fails frees them
-            outs = (self.engine.generate(rid, prompt, params, merge=True) if here
-                    else self.engine.stream_prefilled(rid, prompt, first, params, merge=True))
-            self._running[rid] = (asyncio.current_task(), outs)
-            pacer = getattr(self.engine, "pacer", None)  # decode_svc.pacing.StepPacer
-            if pacer is not None:
-                pacer.add_budget(rid, request.tpot_ms)
+            outs = (self.engine.generate(rid, st.prompt, params, merge=True) if here
+                    else self.engine.stream_prefilled(rid, st.prompt, st.first, params, merge=True))
+            self._hold(rid, outs, request)
             while True:
                 try:
                     out = await outs.__anext__()
@@ -58,77 +50,102 @@ class StreamingMixin:
                     ended = True
                     raise RuntimeError("engine stream ended without a finished output") from None
                 except InvalidRequestError as e:
-                    ended, outcome = True, "error"
+                    ended, st.outcome = True, "error"
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                 except Exception as e:  # noqa: BLE001 - the engine's failure, this request's error
-                    ended, outcome = True, "error"
+                    ended, st.outcome = True, "error"
                     raise RuntimeError(str(e)) from e
                 if out is _ABORTED:
-                    yield self._msg([], "", [], "abort", "", 0.0, n_gen)
+                    yield st.aborted()
                     return
-                if out.finish_reason == "error":
-                    outcome = "error"
-                    raise RuntimeError(out.error or "engine error")
-                now = time.perf_counter()
-                if out.queue_s is not None:  # prefill_here: this engine queued and prefilled it
-                    self.metrics.queue_time.observe(out.queue_s)
-                    self.metrics.prefill_time.observe(out.prefill_s)
-                if t_first is None:
-                    t_first = now
-                elif out.new_token_ids:
-                    self.metrics.itl.observe(now - t_last)
-                t_last = now
-                n_gen += len(out.new_token_ids)
-                self._generated += len(out.new_token_ids)
-                self.metrics.generation_tokens.inc(len(out.new_token_ids))
-                text, pending_text = pending_text, ""
-                reason = out.finish_reason if out.finished else None
-                if detok is not None:
-                    delta, stop = detok.step(out.new_token_ids) if out.new_token_ids else ("", None)
-                    text += delta
-                    if stop is not None:
-                        reason = "stop"
-                    elif out.finished:
-                        text += detok.flush()
-                lps = [logprob_to_pb(lp, t) for lp, t in zip(out.logprobs, out.new_token_ids)
-                       if lp is not None] if out.logprobs else []
-                if reason is not None:
-                    # NOTE: before the yield: a caller that closes the stream on reading the
-                    # last message never resumes us, and this request did finish
-                    outcome = reason
-                    self.metrics.decode_time.observe(now - t_first)
-                yield self._msg(out.new_token_ids, text if text_out else "", lps, reason, stop or "",
-                                wait_ms if first_msg else 0.0, n_gen)
-                first_msg = False
-                if reason is not None:
+                msg, done = st.on_output(out)
+                yield msg
+                if done:
                     return
         finally:
-            if outs is not None and self._running.get(rid, (None, None))[1] is outs:
-                self._running.pop(rid, None)
-                self._callers.pop(rid, None)
-                if getattr(self.engine, "pacer", None) is not None:
-                    self.engine.pacer.drop_budget(rid)
-            if outs is not None and not ended:
-                # NOTE: closing an engine stream that has not finished aborts the request (a
-                # stop string, an Abort, a cancel); its abort runs after its start (FIFO)
-                with contextlib.suppress(Exception):
-                    await outs.aclose()
-                asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
-            self.metrics.requests.labels(outcome=outcome).inc()
-            if outcome != "error":
-                self.metrics.request_generation_tokens.observe(n_gen)
+            if outs is not None:
+                self._unhold(rid, outs)
+                if not ended:
+                    # NOTE: closing an engine stream that has not finished aborts the request
+                    # (a stop string, an Abort, a cancel); its abort runs after its start (FIFO)
+                    with contextlib.suppress(Exception):
+                        await outs.aclose()
+                    asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
+            st.close()
 
-    @staticmethod
-    def _msg(ids, text, lps, reason, stop, wait_ms, n_gen):
-        if not (text or lps or reason or stop or wait_ms):  # a plain step: half the build cost
-            return decode_pb2.DecodeResponse(token_ids=ids, num_generated=n_gen)
-        return decode_pb2.DecodeResponse(
-            token_ids=ids, text=text, logprobs=[x for x in lps if x is not None],
-            finish_reason=FINISH_REASONS.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED),
-            stop_reason=str(stop or ""), transfer_wait_ms=wait_ms, num_generated=n_gen)
+    async def _stream_batched(self, rid, request, params, wait_ms, emit, here: bool = False) -> None:
+        """As _stream, each message handed to emit(msg) as it is made; returns once the stream
+        ended, raises _Abort / RuntimeError as _stream does."""
+        st = StreamState(self, request, params, wait_ms, here)
+        reg = None
+        try:
+            m = st.stop_at_first()
+            if m is not None:
+                await self.engine.release(rid)
+                emit(m)
+                return
+            sink = _Sink(st, emit, asyncio.get_running_loop().create_future())
+            # NOTE: blocks are ours since claim(); a join that fails frees them
+            reg = await self.engine.stream_into(rid, sink, st.prompt, params,
+                                                None if here else st.first)
+            self._hold(rid, reg, request)
+            await sink.done
+        finally:
+            if reg is not None:
+                self._unhold(rid, reg)
+                if not reg.finished:
+                    reg.close()  # the request is aborted (after its start: FIFO)
+                    asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
+                reg.close()
+            st.close()
+
+    def _hold(self, rid, handle, request) -> None:
+        self._running[rid] = (asyncio.current_task(), handle)
+        pacer = getattr(self.engine, "pacer", None)  # decode_svc.pacing.StepPacer
+        if pacer is not None:
+            pacer.add_budget(rid, request.tpot_ms)
+
+    def _unhold(self, rid, handle) -> None:
+        if self._running.get(rid, (None, None))[1] is handle:
+            self._running.pop(rid, None)
+            self._callers.pop(rid, None)
+            if getattr(self.engine, "pacer", None) is not None:
+                self.engine.pacer.drop_budget(rid)
 
 
-_ABORTED = object()
+class _Sink:
+    """A batched stream's consumer (engine.async_streams.StreamSink): runs in the loop's
+    step wake-up; `done` resolves when the stream ends (an exception: how it failed)."""
+
+    def __init__(self, st: StreamState, emit, done: asyncio.Future):
+        self.st, self.emit, self.done = st, emit, done
+
+    def output(self, out) -> None:
+        if self.done.done():
+            return
+        try:
+            msg, end = self.st.on_output(out)
+        except RuntimeError as e:
+            self.done.set_exception(e)
+            return
+        self.emit(msg)
+        if end:
+            self.done.set_result(None)
+
+    def error(self, exc: BaseException) -> None:
+        if self.done.done():
+            return
+        self.st.outcome = "error"
+        if isinstance(exc, InvalidRequestError):
+            self.done.set_exception(_Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+        else:
+            self.done.set_exception(RuntimeError(str(exc)))
+
+    def interrupted(self, value) -> None:
+        if self.done.done():
+            return
+        self.emit(self.st.aborted())
+        self.done.set_result(None)
 
 
 async def _abort_quietly(engine, rid: str) -> None:
@@ -136,9 +153,3 @@ async def _abort_quietly(engine, rid: str) -> None:
         await engine.abort(rid)
     except Exception:  # noqa: BLE001 - engine gone: nothing left to free
         log.debug("abort of %s failed", rid, exc_info=True)
-
-
-class _Abort(Exception):
-    def __init__(self, code, msg):
-        super().__init__(msg)
-        self.code = code

@@ -7,7 +7,6 @@ so Engine itself needs no locks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -16,6 +15,7 @@ import uuid
 import weakref
 from typing import AsyncIterator, Callable, Mapping, TypeVar
 
+from engine.async_streams import Ended, Interrupted, Registration, SinkAdapter, StreamSink, merge_queued
 from engine.config import EngineConfig
 from engine.engine import Engine, RequestOutput
 from engine.kv_blocks import KVBlocks
@@ -117,11 +117,26 @@ class AsyncEngine:
         add_request (e.g. InvalidRequestError) is raised by the first iteration. merge: the
         outputs that queued while the reader was busy come as one (tokens concatenated)."""
         rid = request_id or uuid.uuid4().hex
+        return self._open(rid, self._start_request(rid, prompt_token_ids, params, prefill_only),
+                          params, merge)
 
+    @staticmethod
+    def _start_request(rid: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prefill_only: bool = False):
         def start(e):
             e.add_request(rid, prompt_token_ids, params, prefill_only)
+        return start
 
-        return self._open(rid, start, params, merge)
+    @staticmethod
+    def _start_prefilled(rid: str, prompt_token_ids: list[int], first_token_id: int,
+                         params: SamplingParams):
+        def start(e):
+            try:
+                return e.add_prefilled(rid, prompt_token_ids, first_token_id, params)
+            except BaseException:
+                e.release(rid)
+                raise
+        return start
 
     def stream(self, request_id: str, start: Callable[[Engine], RequestOutput | None],
                merge: bool = False) -> AsyncIterator[RequestOutput]:
@@ -165,41 +180,14 @@ class AsyncEngine:
             if release_on_error:
                 await self.release(rid)
             raise
-        loop = asyncio.get_running_loop()
-        entry = (loop, q)
-        added = [False]  # engine thread only: start left the request in the engine
-
-        def run_start(e):
-            self._pending.discard(entry)
-            try:
-                first = start(e)
-            except BaseException as ex:  # noqa: BLE001 - raised by the stream
-                loop.call_soon_threadsafe(q.put_nowait, _Ended(ex))
-                return
-            if first is not None:
-                loop.call_soon_threadsafe(q.put_nowait, _Ended(first))
-                return
-            # NOTE: routed only once the engine holds the request, so a refused start never
-            # takes over (or drops) the stream of another request of the same id
-            self._streams[rid] = entry
-            added[0] = True
-
-        def abort(e):
-            if added[0]:  # a refused start holds nothing (the id may be another's)
-                e.abort(rid)
-                if self._streams.get(rid) is entry:
-                    del self._streams[rid]
-
-        finished = False
-        self._pending.add(entry)
+        reg = Registration(self, rid, asyncio.get_running_loop(), q, start)
         try:
-            self._check_alive()  # NOTE: after joining _pending: a death from here on reaches q
-            self._cmds.put((run_start, None, None))
+            reg.open()
             held = None  # an item the merge took but could not merge: the next one
             while True:
                 item, held = (held, None) if held is not None else (await q.get(), None)
-                if type(item) is _Ended:  # start's outcome: nothing of this stream to abort
-                    finished = True
+                if type(item) is Ended:  # start's outcome: nothing of this stream to abort
+                    reg.finished = True
                     if isinstance(item.value, BaseException):
                         raise item.value
                     yield item.value
@@ -210,21 +198,42 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(str(item)) from item
                 if merge:
-                    item, held = _merge_queued(item, q)
+                    item, held = merge_queued(item, q)
                 yield item
                 if item.finished:
-                    finished = True
+                    reg.finished = True
                     return
         finally:
-            self._pending.discard(entry)
-            if self._streams.get(rid) is entry:
-                del self._streams[rid]
-            if self._inboxes.get(rid) is q:
-                del self._inboxes[rid]
-            if not finished and not self._stopping and self._dead is None:
-                # consumer left early (cancel / disconnect): free the request's blocks; runs
-                # after run_start (FIFO)
-                self._cmds.put((abort, None, None))
+            # a reader that left early (cancel / disconnect) frees the request's blocks
+            reg.close()
+
+    async def stream_into(self, request_id: str, sink: StreamSink, prompt_token_ids: list[int],
+                          params: SamplingParams, first_token_id: int | None = None) -> Registration:
+        """The stream of a request as calls of `sink` on this loop, in the step's one wake-up
+        (no task per request a step): generate the prompt, or with first_token_id join it on
+        its reserved blocks (add_prefilled; they are freed if that fails). -> the stream's
+        Registration: close() it when done (an unfinished request is then aborted)."""
+        start = (self._start_prefilled(request_id, prompt_token_ids, first_token_id, params)
+                 if first_token_id is not None else
+                 self._start_request(request_id, prompt_token_ids, params))
+        adapter = SinkAdapter(sink)
+        self._inboxes[request_id] = adapter
+        try:
+            if params.guided is not None:
+                await self.precompile(params)
+        except BaseException:
+            if self._inboxes.get(request_id) is adapter:
+                del self._inboxes[request_id]
+            if first_token_id is not None:
+                await self.release(request_id)
+            raise
+        reg = adapter.reg = Registration(self, request_id, asyncio.get_running_loop(), adapter, start)
+        try:
+            reg.open()
+        except BaseException:
+            reg.close()
+            raise
+        return reg
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort(request_id))
@@ -275,13 +284,7 @@ class AsyncEngine:
                          ) -> AsyncIterator[RequestOutput]:
         """Decode side: join a request on its reserved blocks (add_prefilled) and stream its
         outputs, as `stream`. If joining fails the blocks are freed (the caller owns them)."""
-        def start(e):
-            try:
-                return e.add_prefilled(request_id, prompt_token_ids, first_token_id, params)
-            except BaseException:
-                e.release(request_id)
-                raise
-
+        start = self._start_prefilled(request_id, prompt_token_ids, first_token_id, params)
         return self._open(request_id, start, params, merge, release_on_error=True)
 
     def kv_cache_tensors(self) -> list:
@@ -384,40 +387,6 @@ class AsyncEngine:
                 by_loop.setdefault(s[0], []).append((s[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
-
-
-class Interrupted:
-    """An item a stream's own loop put in it (AsyncEngine.interrupt): yield value, then end."""
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-
-def _merge_queued(out: RequestOutput, q: asyncio.Queue):
-    """`out` with the outputs already queued behind it merged in (a reader that fell behind
-    catches up in one item) -> (output, an item taken that could not be merged, or None)."""
-    if out.finished or out.finish_reason == "error":
-        return out, None
-    while not q.empty():
-        nxt = q.get_nowait()
-        if not isinstance(nxt, RequestOutput) or nxt.finish_reason == "error":
-            return out, nxt
-        out = dataclasses.replace(out, new_token_ids=out.new_token_ids + nxt.new_token_ids,
-                                  logprobs=out.logprobs + nxt.logprobs, finished=nxt.finished,
-                                  finish_reason=nxt.finish_reason)
-        if out.finished:
-            break
-    return out, None
-
-
-class _Ended:
-    """A stream's last item from its start command: the exception it raised or the output it
-    returned."""
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
 
 
 def _put_all(items) -> None:

@@ -4,6 +4,7 @@ own per-request stream (StreamingMixin._stream) shaped like DecodeMany's run_one
 wrapped in a DecodeManyItem, one writer batching them), all on one uvloop loop.
 
     python -m lab.decode_stream_probe [--rows 64] [--step-ms 2] [--tokens 256] [--rounds 3]
+        [--mode stream|batched]   (stream: _stream, a task per request; batched: _stream_batched)
 
 Reports per round: steps/s reached vs the fake engine's pace, the loop thread's CPU time per
 request-step (us), and the share of steps whose outputs a stream merged (it fell behind).
@@ -69,7 +70,7 @@ class Streams(StreamingMixin):
         self._running, self._callers, self._generated = {}, {}, 0
 
 
-async def one_round(rows: int, step_ms: float, tokens: int) -> dict:
+async def one_round(rows: int, step_ms: float, tokens: int, mode: str = "stream") -> dict:
     fake = FakeEngine(step_ms / 1e3, tokens)
     eng = AsyncEngine(engine=fake)
     await eng.start()
@@ -81,8 +82,12 @@ async def one_round(rows: int, step_ms: float, tokens: int) -> dict:
     async def run_one(i: int):
         rid = f"r{i}"
         req = decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[1, 2, 3], first_token_id=7)
-        async for resp in svc._stream(rid, req, params, 0.0):
-            out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
+        if mode == "batched":
+            await svc._stream_batched(rid, req, params, 0.0, lambda resp: out.put_nowait(
+                decode_pb2.DecodeManyItem(request_id=rid, response=resp)))
+        else:
+            async for resp in svc._stream(rid, req, params, 0.0):
+                out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
         out.put_nowait(None)
 
     async def writer():
@@ -114,13 +119,14 @@ def main(argv=None) -> int:
     p.add_argument("--step-ms", type=float, default=2.0)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--mode", choices=("stream", "batched"), default="stream")
     a = p.parse_args(argv)
     try:
         import uvloop
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    res = [run(one_round(a.rows, a.step_ms, a.tokens)) for _ in range(a.rounds)]
+    res = [run(one_round(a.rows, a.step_ms, a.tokens, a.mode)) for _ in range(a.rounds)]
     for r in res:
         print(f"steps/s {r['steps_per_s']:.0f} (pace {r['pace_per_s']:.0f})  loop us/row-step "
               f"{r['loop_us_per_row_step']:.1f}  loop busy {r['loop_busy']:.0%}  merged {r['merged_share']:.0%}")

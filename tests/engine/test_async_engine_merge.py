@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.async_engine import AsyncEngine, _merge_queued
+from engine.async_engine import AsyncEngine
+from engine.async_streams import merge_queued as _merge_queued
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.request import RequestOutput
