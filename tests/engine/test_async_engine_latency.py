@@ -135,3 +135,71 @@ async def test_engine_death_before_the_add_runs_reaches_the_stream(engine):
     finally:
         await ae.stop()
     assert not engine.requests
+
+
+class _Sink:
+    """Records what AsyncEngine.stream_into hands it."""
+
+    def __init__(self):
+        self.outs, self.errors, self.interrupts = [], [], []
+        self.ended = asyncio.Event()
+
+    def output(self, out):
+        self.outs.append(out)
+        if out.finished:
+            self.ended.set()
+
+    def error(self, exc):
+        self.errors.append(exc)
+        self.ended.set()
+
+    def interrupted(self, value):
+        self.interrupts.append(value)
+        self.ended.set()
+
+
+async def test_sink_streams_get_outputs_refusals_and_interrupts(ae, engine):
+    ok = _Sink()
+    reg = await ae.stream_into("k1", ok, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    await asyncio.wait_for(ok.ended.wait(), 10)
+    reg.close()
+    assert sum(len(o.new_token_ids) for o in ok.outs) == 6 and reg.finished and not ok.errors
+
+    bad = _Sink()  # a prefilled join with nothing reserved is refused, and says so
+    reg = await ae.stream_into("k2", bad, [5, 6, 7], SamplingParams(max_tokens=6), first_token_id=9)
+    await asyncio.wait_for(bad.ended.wait(), 10)
+    reg.close()
+    assert len(bad.errors) == 1 and not bad.outs
+
+    cut = _Sink()  # an interrupt reaches the sink; closing the unfinished stream aborts it
+    reg = await ae.stream_into("k3", cut, [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+    while not cut.outs:
+        await asyncio.sleep(0.005)
+    assert ae.interrupt("k3", "stop")
+    await asyncio.wait_for(cut.ended.wait(), 10)
+    assert cut.interrupts == ["stop"] and not reg.finished
+    reg.close()
+    await _wait_free(ae, engine)
+
+
+async def test_engine_death_reaches_a_sink(engine):
+    ae = AsyncEngine(engine=engine)
+    await ae.start()
+    gate = threading.Event()
+
+    class Fatal:  # a command that crashes the engine thread (it fails to unpack)
+        def __iter__(self):
+            gate.wait(10)
+            raise RuntimeError("engine thread crashed")
+
+    sink = _Sink()
+    try:
+        ae._cmds.put(Fatal())
+        reg = await ae.stream_into("d", sink, [5, 6, 7], SamplingParams())
+        gate.set()
+        await asyncio.wait_for(sink.ended.wait(), 10)
+        assert len(sink.errors) == 1 and isinstance(sink.errors[0], EngineDeadError)
+        reg.close()
+    finally:
+        await ae.stop()
+    assert not engine.requests
