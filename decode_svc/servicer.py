@@ -197,14 +197,10 @@ class DecodeServicer(ManyMixin, StreamingMixin, decode_pb2_grpc.DecodeServicer):
             set_attrs(sp, {"splitserve.kv.bytes": transfer.bytes_moved, "splitserve.kv.wait_ms": wait_ms,
                            "splitserve.kv.blocks_held": transfer.skip_blocks})
             try:
-                emit = getattr(context, "emit", None)  # DecodeMany: messages go out per step
-                if emit is not None:
-                    await self._stream_batched(rid, request, params, wait_ms, emit)
-                else:
-                    # NOTE: aclosing: a cancel that lands while we sit at `yield` still closes _stream
-                    async with contextlib.aclosing(self._stream(rid, request, params, wait_ms)) as st:
-                        async for resp in st:
-                            yield resp
+                # NOTE: aclosing: a cancel that lands while we sit at `yield` still closes it
+                async with contextlib.aclosing(self._responses(rid, request, params, wait_ms, context)) as st:
+                    async for resp in st:
+                        yield resp
             except _Abort as e:
                 await context.abort(e.code, str(e))
             except RuntimeError as e:  # engine error / engine thread died
@@ -229,13 +225,10 @@ class DecodeServicer(ManyMixin, StreamingMixin, decode_pb2_grpc.DecodeServicer):
             self._callers[rid] = caller_id(context)
             self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
             try:
-                emit = getattr(context, "emit", None)
-                if emit is not None:
-                    await self._stream_batched(rid, request, params, 0.0, emit, here=True)
-                else:
-                    async with contextlib.aclosing(self._stream(rid, request, params, 0.0, here=True)) as st:
-                        async for resp in st:
-                            yield resp
+                async with contextlib.aclosing(self._responses(rid, request, params, 0.0, context,
+                                                               here=True)) as st:
+                    async for resp in st:
+                        yield resp
             except _Abort as e:
                 await context.abort(e.code, str(e))
             except RuntimeError as e:

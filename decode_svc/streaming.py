@@ -93,11 +93,22 @@ class StreamingMixin:
         finally:
             if reg is not None:
                 self._unhold(rid, reg)
-                if not reg.finished:
-                    reg.close()  # the request is aborted (after its start: FIFO)
+                if not reg.finished:  # close() aborts the request (after its start: FIFO)
                     asyncio.get_running_loop().create_task(_abort_quietly(self.engine, rid))
                 reg.close()
             st.close()
+
+    async def _responses(self, rid, request, params, wait_ms, context, here: bool = False):
+        """The Decode handler's stream: on a DecodeMany call (its context has emit) the
+        batched form, whose messages leave through emit; else _stream's messages, yielded."""
+        emit = getattr(context, "emit", None)
+        if emit is not None:
+            await self._stream_batched(rid, request, params, wait_ms, emit, here)
+            return
+        # NOTE: aclosing: a cancel that lands while we sit at `yield` still closes _stream
+        async with contextlib.aclosing(self._stream(rid, request, params, wait_ms, here)) as st:
+            async for resp in st:
+                yield resp
 
     def _hold(self, rid, handle, request) -> None:
         self._running[rid] = (asyncio.current_task(), handle)

@@ -35,6 +35,17 @@ async def ae(engine):
     assert not engine.requests and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+class _Fatal:
+    """A command that crashes the engine thread (it fails to unpack) once `gate` is set."""
+
+    def __init__(self, gate: threading.Event):
+        self.gate = gate
+
+    def __iter__(self):
+        self.gate.wait(10)
+        raise RuntimeError("engine thread crashed")
+
+
 async def _wait_free(ae, engine):
     for _ in range(200):
         if await ae.call(lambda e: e.kv.num_free_blocks == e.kv.num_blocks and not e.requests):
@@ -117,13 +128,8 @@ async def test_engine_death_before_the_add_runs_reaches_the_stream(engine):
     await ae.start()
     gate = threading.Event()
 
-    class Fatal:  # a command that crashes the engine thread (it fails to unpack)
-        def __iter__(self):
-            gate.wait(10)
-            raise RuntimeError("engine thread crashed")
-
     try:
-        ae._cmds.put(Fatal())
+        ae._cmds.put(_Fatal(gate))
         task = asyncio.ensure_future(ae.generate("d", [5, 6, 7], SamplingParams()).__anext__())
         await asyncio.sleep(0.05)  # its add is queued behind the crash
         gate.set()
@@ -187,14 +193,9 @@ async def test_engine_death_reaches_a_sink(engine):
     await ae.start()
     gate = threading.Event()
 
-    class Fatal:  # a command that crashes the engine thread (it fails to unpack)
-        def __iter__(self):
-            gate.wait(10)
-            raise RuntimeError("engine thread crashed")
-
     sink = _Sink()
     try:
-        ae._cmds.put(Fatal())
+        ae._cmds.put(_Fatal(gate))
         reg = await ae.stream_into("d", sink, [5, 6, 7], SamplingParams())
         gate.set()
         await asyncio.wait_for(sink.ended.wait(), 10)
