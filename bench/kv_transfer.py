@@ -12,7 +12,8 @@ warm-up transfer (which also sets up the pair). Rows:
     grpc   gRPC chunks over loopback (CPU tensors; what prefill does without a direct backend)
     dist   torch.distributed gloo between two CPU processes
     nixl   NIXL READs (UCX) between two CPU processes, host memory (needs a NIXL wheel,
-           e.g. nixl-cu12; UCX_TLS picks UCX's transports, recorded in the JSON)
+           e.g. nixl-cu12; UCX_TLS picks UCX's transports, recorded in the JSON);
+           --nixl-device cuda:0 adds rows with GPU memory, both processes on that GPU
     nccl   dist over NCCL, sender cuda:0 -> receiver cuda:1 (needs two GPUs)
     peer   tensor.to('cuda:1') from cuda:0 in one process: the copy-engine ceiling (two GPUs)
 
@@ -62,6 +63,25 @@ async def _bench_sender(name: str, sender, rp: ReceiverProc, layout: KVLayout, t
             "GB/s": round(n / med / 1e9, 3), "min_ms": round(min(times) * 1e3, 3)}
 
 
+async def _nixl_on(layout: KVLayout, max_blocks: int, dev: str, a) -> list[dict]:
+    from kvtransfer.backends.nixl_sender import NixlKVSender
+    from kvtransfer.endpoint import local_endpoint
+
+    rows = []
+    rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, device=dev, timeout_s=120, nixl=True)
+    try:
+        s = NixlKVSender(local_endpoint(dev), op_timeout_s=120, connect_timeout_s=30,
+                         staging_bytes=2 * layout.layer_nbytes(max_blocks))
+        for tokens in a.tokens:
+            row = await _bench_sender(f"nixl-{dev}", s, rp, layout, tokens, a.repeats, dev)
+            rows.append(row)
+            print(row, flush=True)
+        await s.close()
+    finally:
+        rp.stop()
+    return rows
+
+
 def _peer_copy(layout: KVLayout, tokens: int, repeats: int) -> dict:
     n_blocks = -(-tokens // layout.block_size)
     src = [_layer(layout, n_blocks, "cuda:0") for _ in range(2)]
@@ -101,9 +121,9 @@ async def run(a) -> list[dict]:
         except ImportError as e:
             nixl_why = str(e)
             print(f"skipped nixl: no NIXL wheel imports ({e})", flush=True)
-    if want & {"grpc", "dist"} or ("nixl" in want and nixl_why is None):
-        rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, timeout_s=120,
-                                nixl="nixl" in want and nixl_why is None)
+    cpu_nixl = "nixl" in want and nixl_why is None and "cpu" in a.nixl_device
+    if want & {"grpc", "dist"} or cpu_nixl:
+        rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, timeout_s=120, nixl=cpu_nixl)
         try:
             senders = []
             if "grpc" in want:
@@ -111,7 +131,7 @@ async def run(a) -> list[dict]:
             if "dist" in want:
                 senders.append(("dist", DistKVSender(local_endpoint("cpu"), host="127.0.0.1",
                                                      op_timeout_s=120, connect_timeout_s=30)))
-            if "nixl" in want and nixl_why is None:
+            if cpu_nixl:
                 from kvtransfer.backends.nixl_sender import NixlKVSender
 
                 # NOTE: staging holds a whole layer of the largest request, with room for two
@@ -125,6 +145,13 @@ async def run(a) -> list[dict]:
                 await s.close()
         finally:
             rp.stop()
+    for dev in a.nixl_device:  # GPU memory registered with NIXL, both processes on this GPU
+        if "nixl" not in want or nixl_why is not None or not dev.startswith("cuda"):
+            continue
+        if not torch.cuda.is_available():
+            print(f"skipped nixl on {dev}: no CUDA", flush=True)
+            continue
+        rows += await _nixl_on(layout, max_blocks, dev, a)
     if "nccl" in want and two_gpus:
         rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, device="cuda:1", timeout_s=120)
         try:
@@ -153,6 +180,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--nixl-device", nargs="+", default=["cpu"],
+                    help="where nixl's KV lives: cpu (host memory) and/or cuda:N (GPU memory, both "
+                         "processes on that GPU)")
     ap.add_argument("--chunk-bytes", type=int, default=2 << 20, help="grpc chunk size")
     ap.add_argument("--backends", nargs="+", default=["grpc", "dist", "nixl", "nccl", "peer"],
                     choices=["grpc", "dist", "nixl", "nccl", "peer"])
