@@ -13,12 +13,12 @@ import threading
 import time
 import uuid
 import weakref
-from typing import AsyncIterator, Callable, Mapping, TypeVar
+from typing import AsyncIterator, Callable, TypeVar
 
+from engine.async_kv import AsyncKVMixin
 from engine.async_streams import Ended, Interrupted, Registration, SinkAdapter, StreamSink, merge_queued
 from engine.config import EngineConfig
 from engine.engine import Engine, RequestOutput
-from engine.kv_blocks import KVBlocks
 from engine.profiling import StepProfiler
 from engine.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (crash or shutdown)."""
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncKVMixin):
     def __init__(self, cfg: EngineConfig | None = None, engine: Engine | None = None,
                  profiler: StepProfiler | None = None):
         self.cfg = cfg
@@ -238,47 +238,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort(request_id))
 
-    # ---- disaggregation (engine/disaggregation.py), on the engine thread --------------
-    async def reserve_replacing(self, request_id: str, num_prompt_tokens: int,
-                                prompt_token_ids: list[int] | None = None) -> list[int] | None:
-        return await self.call(lambda e: e.reserve_replacing(request_id, num_prompt_tokens,
-                                                             prompt_token_ids))
-
-    async def reserved_block_ids(self, request_id: str) -> list[int]:
-        return await self.call(lambda e: e.reserved_block_ids(request_id))
-
-    async def import_kv(self, request_id: str, blocks: KVBlocks, first_layer: int = 0) -> None:
-        await self.call(lambda e: e.import_kv(request_id, blocks, first_layer=first_layer))
-
-    async def release(self, request_id: str) -> None:
-        await self.call(lambda e: e.release(request_id))
-
-    async def publish_if_owner(self, request_id: str, transfer_id: str, owner: Mapping[str, str],
-                               prompt_token_ids: list[int]) -> int:
-        return await self.call(lambda e: e.publish_if_owner(request_id, transfer_id, owner,
-                                                            prompt_token_ids))
-
-    async def release_if_owner(self, request_id: str, transfer_id: str,
-                               owner: Mapping[str, str]) -> bool:
-        return await self.call(lambda e: e.release_if_owner(request_id, transfer_id, owner))
-
-    async def stream_kv_layers(self, request_id: str, layers: asyncio.Queue,
-                               skip_blocks: int = 0) -> None:
-        """Prefill side: the request's LayerExports land in `layers` (on this event loop) as
-        the engine thread hands them out; raises InvalidRequestError for an id in use."""
-        loop = asyncio.get_running_loop()
-
-        def on_layer(x):  # NOTE: runs on the engine thread: only hand over
-            loop.call_soon_threadsafe(layers.put_nowait, x)
-
-        await self.call(lambda e: e.stream_kv_layers(request_id, on_layer, skip_blocks))
-
-    async def precompile(self, params: SamplingParams) -> None:
-        """Compile a response_format's grammar on a worker thread (seconds the first time), so
-        the engine thread's add finds it cached instead of stalling every running request."""
-        if params.guided is not None:
-            await asyncio.to_thread(self.engine.grammars.compile, params.guided)
-
+    # ---- disaggregation: the KV pass-throughs are in engine/async_kv.py ---------
     def stream_prefilled(self, request_id: str, prompt_token_ids: list[int],
                          first_token_id: int, params: SamplingParams, merge: bool = False
                          ) -> AsyncIterator[RequestOutput]:
@@ -286,24 +246,6 @@ class AsyncEngine:
         outputs, as `stream`. If joining fails the blocks are freed (the caller owns them)."""
         start = self._start_prefilled(request_id, prompt_token_ids, first_token_id, params)
         return self._open(request_id, start, params, merge, release_on_error=True)
-
-    def kv_cache_tensors(self) -> list:
-        """Engine.kv_cache_tensors (fixed after start, so readable from the event loop)."""
-        return self.engine.kv_cache_tensors()
-
-    def kv_pool(self):
-        """Engine.kv_pool (fixed after start)."""
-        return self.engine.kv_pool()
-
-    def kv_block_view(self):
-        """Engine.kv_block_view (fixed after start)."""
-        return self.engine.kv_block_view()
-
-    async def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVBlocks:
-        return await self.call(lambda e: e.export_kv(request_id, skip_blocks))
-
-    async def kv_scale_lists(self):
-        return await self.call(lambda e: e.kv_scale_lists())
 
     # ---- engine thread --------------------------------------------------------------
     def _check_alive(self) -> None:
