@@ -23,130 +23,20 @@ loop on the outcome itself (met or missed), scaling the loaded predictions until
 requests' miss rate is what `--slo-attainment` allows (`--admission-guard`; by default on
 for decode replicas on a GPU only).
 
-Decision for one request with SLO (ttft_ms, tpot_ms) (a missing one uses the default; no SLO
-at all means "admit whenever there is room"):
-    predicted <= SLO                            -> admit
-    even an idle replica would miss the SLO     -> reject now (RESOURCE_EXHAUSTED, reason)
-    predicted TTFT late by more than the slack   -> reject now, Retry-After = predicted time
-                                                   for the backlog ahead to drain
-    otherwise (busy now, could fit later)       -> queue; re-decided on every load change, in
-                                                   priority order, until the queue deadline
-                                                   (arrival + SLO - idle TTFT), then reject.
-Decode full (no free KV blocks, or its batch at its sequence cap) always queues: no room means
-no prefill.
-
-Why TTFT lateness is rejected at once: a backlog drains at the rate the clock runs, so a
-request predicted late now is predicted just as late after any wait (both sides of
-`predicted TTFT <= SLO - waited` shrink together); waiting only helps within the predictor's
-error, which is what the slack (a fraction of the SLO) allows for. The slack defaults to 0:
-a late request re-decided on every load change is admitted the moment a noisy prediction dips,
-i.e. on exactly the estimates that are too low, and misses its SLO. TPOT lateness and a full
-decode KV cache do resolve by waiting (requests finish), so those queue.
+The decision on a prediction: gateway/decide.py.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from gateway.admission_types import AdmissionConfig, Decision, LoadView, Prediction
 from gateway.calibration import AttainmentGuard, Calibrator, OnlineLinear, RobustLinear
+from gateway.decide import decide
+
+__all__ = ["AdmissionConfig", "Decision", "LoadView", "Prediction", "Predictor", "decide"]
 
 YOUNG_FIT = 8  # prefill samples before the fit alone predicts (see observe_prefill)
 TTFT_FACTOR_WINDOW = 64  # outcomes per bucket the TTFT correction is the median of
-
-
-@dataclass
-class LoadView:
-    """What the gateway knows about one replica (built from LoadStats + own bookkeeping)."""
-    queued_tokens: int = 0  # prefill: prompt tokens waiting; decode: reserved tokens
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    num_free_blocks: int | None = None
-    num_total_blocks: int | None = None
-    mean_step_ms: float | None = None
-    tokens_per_s: float | None = None
-    device_id: str = ""     # LoadStats.device_id: equal on replicas sharing a device
-    inflight_tokens: int = 0  # tokens the gateway has sent there and not seen finish
-    inflight_requests: int = 0
-    max_num_seqs: int | None = None  # decode: the batch's sequence cap (None: not reported)
-
-
-
-@dataclass
-class AdmissionConfig:
-    default_ttft_ms: float | None = None  # applied when a request gives none
-    default_tpot_ms: float | None = None
-    prefill_tokens_per_s: float = 2000.0  # prior until measured
-    decode_step_ms: float = 20.0  # prior until measured (batch of 1)
-    transfer_ms_per_token: float = 0.01  # prior until measured
-    overhead_ms: float = 1.0
-    max_queue_ms: float = 30000.0  # a request never waits longer than this in admission
-    kv_high_watermark: float = 0.95
-    batch_slowdown: float = 0.05  # per extra running sequence, fraction of the base step time
-    # a request predicted to miss its TTFT SLO by more than this fraction of the SLO is
-    # rejected at once (None: queue it until its deadline instead), once the TTFT predictor
-    # has been checked against calibration_min_samples outcomes (until then it queues)
-    early_reject_slack: float | None = 0.0
-    calibrate: bool = True  # online correction of the predictions (see Calibrator)
-    # admission decides on the corrected estimate times this quantile of the recent
-    # observed / estimated ratios (in [1, 2]; None: the estimate alone), so an estimate that
-    # is right on average does not admit the requests it is too low for
-    headroom_quantile: float | None = 0.95
-    calibration_min_samples: int = 16
-    # closed loop on top (AttainmentGuard): the admitted requests' measured misses scale the
-    # loaded predictions until half the miss rate the quantile allows remains (the gateway
-    # measures a little less delay than its clients do). "auto": on where the decode replica
-    # runs on a GPU (--admission-guard)
-    guard: str | bool = "auto"  # on | off | auto (True / False: on / off)
-
-    def guard_on(self, device_id: str) -> bool:
-        """Whether the guard scales predictions for a decode replica on `device_id`."""
-        g = self.guard
-        return g is True or g == "on" or (g == "auto" and device_id.startswith("cuda:"))
-
-    @property
-    def guard_fed(self) -> bool:
-        """Whether the guards learn at all (not when off: nothing would read them)."""
-        return self.guard not in (False, "off")
-
-    def __post_init__(self):
-        for k in ("prefill_tokens_per_s", "decode_step_ms"):
-            if getattr(self, k) <= 0:
-                raise ValueError(f"{k} must be > 0")
-        if self.guard not in (True, False, "on", "off", "auto"):
-            raise ValueError(f"guard must be on, off or auto, got {self.guard!r}")
-        q = self.headroom_quantile
-        if q is not None and not 0.5 <= q < 1.0:
-            raise ValueError(f"slo attainment (headroom quantile) must be in [0.5, 1), got {q}")
-        for k in ("default_ttft_ms", "default_tpot_ms"):
-            v = getattr(self, k)
-            if v is not None and v <= 0:
-                raise ValueError(f"{k} must be > 0 when set")
-
-
-@dataclass(frozen=True)
-class Prediction:
-    ttft_ms: float
-    tpot_ms: float
-    idle_ttft_ms: float  # what an idle prefill replica would give (the best case)
-    idle_tpot_ms: float
-    decode_full: bool
-    cached_tokens: int = 0  # prompt tokens expected from the replica's prefix cache
-    raw_ttft_ms: float | None = None  # the model before calibration (None: same)
-    raw_tpot_ms: float | None = None
-    est_ttft_ms: float | None = None  # the calibrated estimate before headroom (None: same)
-    est_tpot_ms: float | None = None
-    ttft_bucket: int = 0  # the Calibrator buckets this prediction falls in
-    tpot_bucket: int = 0
-
-
-@dataclass(frozen=True)
-class Decision:
-    kind: str  # "admit" | "queue" | "reject"
-    reason: str
-    prediction: Prediction | None = None
-    retry_after_s: float = 0.0
-
 
 
 class Predictor:
@@ -329,41 +219,3 @@ class Predictor:
             raw = pred.raw_tpot_ms if pred.raw_tpot_ms is not None else est
             ep = self.tpot_cal.observe(raw, est, tpot_ms, pred.tpot_bucket)
         return et, ep
-
-
-def decide(pred: Prediction, ttft_slo_ms: float | None, tpot_slo_ms: float | None,
-           waited_ms: float, max_queue_ms: float, early_reject_slack: float | None = None
-           ) -> Decision:
-    """Pure decision function (unit-tested alone). early_reject_slack: see AdmissionConfig."""
-    if ttft_slo_ms is not None and pred.idle_ttft_ms > ttft_slo_ms:
-        return Decision("reject", f"predicted TTFT {pred.idle_ttft_ms:.1f} ms even on an idle "
-                        f"replica exceeds the requested ttft_ms={ttft_slo_ms:g}", pred,
-                        retry_after_s=0.0)
-    if tpot_slo_ms is not None and pred.idle_tpot_ms > tpot_slo_ms:
-        return Decision("reject", f"predicted TPOT {pred.idle_tpot_ms:.1f} ms even on an idle "
-                        f"replica exceeds the requested tpot_ms={tpot_slo_ms:g}", pred)
-    # how long queueing may last before the TTFT SLO cannot be met any more
-    budget = max_queue_ms
-    if ttft_slo_ms is not None:
-        budget = min(budget, ttft_slo_ms - pred.idle_ttft_ms)
-    retry = max(pred.ttft_ms - pred.idle_ttft_ms, 100.0) / 1e3
-    if pred.decode_full:
-        if waited_ms >= budget:
-            return Decision("reject", f"decode full (KV blocks or batch slots) for {waited_ms:.0f} ms (queue budget "
-                            f"{budget:.0f} ms)", pred, retry_after_s=retry)
-        return Decision("queue", "decode full (KV blocks or batch slots)", pred, retry_after_s=retry)
-    late_ttft = ttft_slo_ms is not None and pred.ttft_ms > ttft_slo_ms - waited_ms
-    late_tpot = tpot_slo_ms is not None and pred.tpot_ms > tpot_slo_ms
-    if not late_ttft and not late_tpot:
-        return Decision("admit", "predicted within SLO", pred)
-    what = (f"predicted TTFT {pred.ttft_ms:.1f} ms > requested ttft_ms={ttft_slo_ms:g} - waited "
-            f"{waited_ms:.0f} ms" if late_ttft else
-            f"predicted TPOT {pred.tpot_ms:.1f} ms > requested tpot_ms={tpot_slo_ms:g}")
-    if waited_ms >= budget:
-        return Decision("reject", what + f" (queued {waited_ms:.0f} ms, no more time left)", pred,
-                        retry_after_s=retry)
-    if late_ttft and early_reject_slack is not None and \
-            pred.ttft_ms - (ttft_slo_ms - waited_ms) > early_reject_slack * ttft_slo_ms:
-        return Decision("reject", what + " (waiting would not help: the backlog drains as the "
-                        "clock runs)", pred, retry_after_s=retry)
-    return Decision("queue", what, pred, retry_after_s=retry)
