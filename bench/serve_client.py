@@ -46,9 +46,12 @@ class Outcome:
     parts: dict | None = None  # the gateway's TTFT parts and its model's (PARTS keys present)
 
 
-# timings kept per request: where the TTFT went and what the admission model said of each part
+# timings kept per request: where the TTFT went, what the admission model said of each part,
+# and what its TTFT fit saw (the prefill steps ahead; lab/admission_replay.py replays it)
 PARTS = ("queue_ms", "prefill_ms", "transfer_ms", "predicted_raw_ttft_ms",
-         "predicted_idle_ttft_ms", "predicted_ttft_bucket")
+         "predicted_idle_ttft_ms", "predicted_ttft_bucket", "predicted_fit_ttft_ms",
+         "predicted_cached_tokens", "predicted_decode_batch", "ahead_running_tokens",
+         "ahead_queued_tokens", "ahead_elapsed_ms", "ahead_tokens_per_s")
 
 
 def _timings(o: Outcome, t: dict) -> None:
@@ -210,11 +213,8 @@ class GrpcClient:
                     t = m.timings
                     _timings(o, {"predicted_ttft_ms": t.predicted_ttft_ms, "ttft_ms": t.ttft_ms,
                                  "predicted_tpot_ms": t.predicted_tpot_ms,
-                                 "admitted_ms": t.admitted_ms, "prefill_ms": t.prefill_ms,
-                                 "transfer_ms": t.transfer_ms,
-                                 "predicted_raw_ttft_ms": t.predicted_raw_ttft_ms,
-                                 "predicted_idle_ttft_ms": t.predicted_idle_ttft_ms,
-                                 "predicted_ttft_bucket": t.predicted_ttft_bucket})
+                                 "admitted_ms": t.admitted_ms,
+                                 **{k: getattr(t, k) for k in PARTS}})
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 md = dict(e.trailing_metadata() or ())

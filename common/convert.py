@@ -102,7 +102,8 @@ def load_to_pb(stats: dict, **extra) -> common_pb2.LoadStats:
         num_free_blocks=int(stats.get("num_free_blocks", 0)),
         num_total_blocks=int(stats.get("num_blocks", 0)),
         recent_step_ms=steps, mean_step_ms=sum(steps) / len(steps) if steps else 0.0,
-        prefix_hit_rate=h / q if q else 0.0, max_num_seqs=int(stats.get("max_num_seqs", 0)))
+        prefix_hit_rate=h / q if q else 0.0, max_num_seqs=int(stats.get("max_num_seqs", 0)),
+        max_num_batched_tokens=int(stats.get("max_num_batched_tokens", 0)))
     for k, v in extra.items():
         setattr(msg, k, v)
     return msg

@@ -295,6 +295,7 @@ class Engine(DisaggregationMixin):
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "max_num_seqs": self.cfg.scheduler.max_num_seqs,
+            "max_num_batched_tokens": self.cfg.scheduler.max_num_batched_tokens,
             "kv_usage": self.kv.usage, "num_free_blocks": self.kv.num_free_blocks,
             "num_blocks": self.kv.num_blocks,
             "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),

@@ -8,6 +8,10 @@ Prediction (per candidate replica pair, see `Predictor`):
 Fitted online: prefill ms = a + b * new tokens (PrefillResponse timings; `RobustLinear`), the
 same for KV handoff ms and for prompts a decode replica prefills itself (their first tokens),
 decode step ms = a + b * batch (the gateway's token gaps; `OnlineLinear`); Load adds the rest.
+TTFT, once `TtftFit` has outcomes (`--admission-ttft-model fit`, the default): a fit of observed
+TTFT against the prefill engine's steps ahead (gateway/ttft_fit.py: the rest of the running
+step, the tokens queued, the prompt's own, the prompts expected to join its step), replacing
+the queue model and its correction below, which stay the fallback (`queue`: them alone).
 
 Calibration: each admitted request's prediction is compared with what it then got (TTFT from
 the admit decision to its first token, TPOT over its stream). A `Calibrator` per quantity
@@ -29,11 +33,14 @@ from __future__ import annotations
 
 import math
 
-from gateway.admission_types import AdmissionConfig, Decision, LoadView, Prediction
+from gateway.admission_types import TTFT_MODELS, AdmissionConfig, Decision, LoadView, Prediction
 from gateway.calibration import AttainmentGuard, Calibrator, OnlineLinear, RobustLinear
 from gateway.decide import decide
+from gateway.prefill_clock import Ahead
+from gateway.ttft_fit import TtftFit
 
-__all__ = ["AdmissionConfig", "Decision", "LoadView", "Prediction", "Predictor", "decide"]
+__all__ = ["TTFT_MODELS", "AdmissionConfig", "Decision", "LoadView", "Prediction", "Predictor",
+           "decide"]
 
 YOUNG_FIT = 8  # prefill samples before the fit alone predicts (see observe_prefill)
 TTFT_FACTOR_WINDOW = 64  # outcomes per bucket the TTFT correction is the median of
@@ -62,6 +69,7 @@ class Predictor:
         self.ttft_cal = Calibrator(additive=True, factor_window=TTFT_FACTOR_WINDOW)
         # TPOT: a step time scales with the batch; no idle-only fixed cost to learn apart
         self.tpot_cal = Calibrator(additive=False)
+        self.ttft_fit = TtftFit(per_token)
         q = cfg.headroom_quantile
         target = (1.0 + q) / 2 if q is not None else 0.975
         self.ttft_guard, self.tpot_guard = AttainmentGuard(target), AttainmentGuard(target)
@@ -156,10 +164,12 @@ class Predictor:
         return tpot, base
 
     def predict(self, prefill: LoadView, decode: LoadView, num_tokens: int,
-                cached_tokens: int = 0, joining: int = 0, here: bool = False) -> Prediction:
-        """Calibrated prediction (the raw models corrected by the Calibrators). joining:
-        admitted requests still prefilling that will join this decode replica's batch; here:
-        the decode replica prefills it, so its first token also waits for a decode step."""
+                cached_tokens: int = 0, joining: int = 0, here: bool = False,
+                ahead: Ahead | None = None) -> Prediction:
+        """Calibrated prediction (the raw models corrected by the Calibrators, or TtftFit's
+        TTFT). joining: admitted requests still prefilling that will join this decode replica's
+        batch; here: the decode replica prefills it, so its first token also waits for a decode
+        step; ahead: the prefill replica's steps ahead (PrefillClock), which TtftFit needs."""
         ttft, idle_ttft = self.prefill_ms(prefill, num_tokens, cached_tokens, here)
         tpot, idle_tpot = self.tpot_ms(decode, joining)
         if here:
@@ -172,11 +182,20 @@ class Predictor:
                 or (decode.max_num_seqs is not None and batch > decode.max_num_seqs))
         bt = self.ttft_bucket(prefill, num_tokens, cached_tokens)
         bp = self.tpot_bucket(batch)
+        x = fit = None
+        if ahead is not None and not here:
+            x = self.ttft_fit.sample(ahead, num_tokens - cached_tokens)
+            fit = self.ttft_fit.predict(x)
+        more = dict(ahead=ahead, ttft_sample=x, fit_ttft_ms=fit, decode_batch=batch)
         if not self.cfg.calibrate:
             return Prediction(ttft, tpot, idle_ttft, idle_tpot, full, cached_tokens, ttft, tpot,
-                              ttft_bucket=bt, tpot_bucket=bp)
+                              ttft_bucket=bt, tpot_bucket=bp, **more)
         tc, pc = self.ttft_cal, self.tpot_cal
         et, ep = tc.correct(ttft, bt), pc.correct(tpot, bp)
+        if fit is not None and self.cfg.ttft_model == "fit":
+            # NOTE: bounded by the queue model (half its idle part, 4x the whole): a fit of a few
+            # hundred outcomes may refine it, never swing past it on a configuration unseen
+            et = min(max(fit, idle_ttft / 2), 4 * ttft)
         q = self.cfg.headroom_quantile
         # NOTE: no headroom when nearly idle (work ahead <= the prompt's own; batch <= 2)
         ht = tc.headroom(q, bt) if bt >= 2 else 1.0
@@ -188,7 +207,7 @@ class Predictor:
         # stale correction cannot turn requests away at low load
         return Prediction(et * ht, ep * hp, min(idle_ttft, tc.correct(idle_ttft, 0)),
                           min(idle_tpot, pc.correct(idle_tpot, 0)), full,
-                          cached_tokens, ttft, tpot, et, ep, bt, bp)
+                          cached_tokens, ttft, tpot, et, ep, bt, bp, **more)
 
     def early_reject_slack(self) -> float | None:
         """The slack decide() may reject early with: none before the TTFT predictor is
@@ -210,6 +229,8 @@ class Predictor:
         """What an admitted request got against its prediction -> (TTFT, TPOT) absolute
         percentage errors (None where there was nothing to compare)."""
         et = ep = None
+        if ttft_ms is not None and pred.ttft_sample is not None:
+            self.ttft_fit.add(pred.ttft_sample, ttft_ms)
         if ttft_ms is not None:
             est = pred.est_ttft_ms if pred.est_ttft_ms is not None else pred.ttft_ms
             raw = pred.raw_ttft_ms if pred.raw_ttft_ms is not None else est

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.prefill_clock import Ahead
+
+TTFT_MODELS = ("fit", "queue")  # AdmissionConfig.ttft_model
+
 
 @dataclass
 class LoadView:
@@ -21,6 +25,7 @@ class LoadView:
     inflight_tokens: int = 0  # tokens the gateway has sent there and not seen finish
     inflight_requests: int = 0
     max_num_seqs: int | None = None  # decode: the batch's sequence cap (None: not reported)
+    max_batched_tokens: int | None = None  # tokens a step takes (None: not reported)
 
 
 
@@ -50,6 +55,9 @@ class AdmissionConfig:
     # measures a little less delay than its clients do). "auto": on where the decode replica
     # runs on a GPU (--admission-guard)
     guard: str | bool = "auto"  # on | off | auto (True / False: on / off)
+    # TTFT estimate: "fit" (TtftFit once it has outcomes, else the queue model) or "queue" (the
+    # queue model corrected by its Calibrator); the fit learns either way
+    ttft_model: str = "fit"
 
     def guard_on(self, device_id: str) -> bool:
         """Whether the guard scales predictions for a decode replica on `device_id`."""
@@ -65,6 +73,8 @@ class AdmissionConfig:
         for k in ("prefill_tokens_per_s", "decode_step_ms"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be > 0")
+        if self.ttft_model not in TTFT_MODELS:
+            raise ValueError(f"ttft_model must be one of {TTFT_MODELS}, got {self.ttft_model!r}")
         if self.guard not in (True, False, "on", "off", "auto"):
             raise ValueError(f"guard must be on, off or auto, got {self.guard!r}")
         q = self.headroom_quantile
@@ -90,6 +100,10 @@ class Prediction:
     est_tpot_ms: float | None = None
     ttft_bucket: int = 0  # the Calibrator buckets this prediction falls in
     tpot_bucket: int = 0
+    ahead: Ahead | None = None  # the prefill steps ahead (None: not known, prefilled here)
+    ttft_sample: tuple | None = None  # TtftFit's state of it (the fit learns from its outcome)
+    fit_ttft_ms: float | None = None  # TtftFit's estimate (None: not fitted yet)
+    decode_batch: int = 0
 
 
 @dataclass(frozen=True)

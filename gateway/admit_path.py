@@ -46,7 +46,8 @@ class AdmitPath:
         joining = sum(r.load.inflight_requests for r in self.prefill.replicas) // max(
             1, sum(r.healthy for r in self.decode.replicas))
         if route.here is None:
-            pred = self.predictor.predict(p.load, d.load, n, route.cached, joining)
+            ahead = p.clock.ahead(time.monotonic(), p.load.max_batched_tokens, p.load.queued_tokens)
+            pred = self.predictor.predict(p.load, d.load, n, route.cached, joining, ahead=ahead)
         else:
             # prefilled in the decode replica's own steps: the prompts ahead are the ones sent
             # there and not yet past their first token (counted on it from the admit decision)
@@ -124,10 +125,10 @@ class AdmitPath:
             if route.here is not None:
                 route.inflight = len(req.prompt_token_ids)
                 route.alone = route.here.load.inflight_tokens == 0
-                route.here.add_inflight(route.inflight)
+                route.inflight_key = route.here.add_inflight(route.inflight)
             else:
                 route.inflight = max(len(req.prompt_token_ids) - route.cached, 1)
-                route.prefill.add_inflight(route.inflight)
+                route.inflight_key = route.prefill.add_inflight(route.inflight)
             return d
 
     def _observe_slo(self, req: GenRequest, route: Route, ttft_ms: float | None = None,

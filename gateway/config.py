@@ -8,7 +8,7 @@ from common.auth import InternalAuth
 from common.auth import add_args as add_internal_auth_args
 from common.auth import internal_auth_from_args
 from common.envs import env_float, env_int, env_str
-from gateway.admission import AdmissionConfig
+from gateway.admission import TTFT_MODELS, AdmissionConfig
 
 DEFAULT_PREFILL = "127.0.0.1:50061"
 DEFAULT_DECODE = "127.0.0.1:50071"
@@ -126,6 +126,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "--slo-attainment allows (off: models, calibration and headroom alone; "
                         "auto: on for decode replicas on a GPU, where it held attainment above "
                         "the target at 2x overload; on CPU it cost goodput)")
+    p.add_argument("--admission-ttft-model", choices=TTFT_MODELS,
+                   default=env_str("SPLITSERVE_ADMISSION_TTFT_MODEL", "fit"),
+                   help="admission's TTFT estimate: fit (a fit of observed TTFT against the "
+                        "prefill steps ahead, once it has outcomes; the queue model until then) "
+                        "or queue (prompt tokens ahead / prefill rate, corrected per load bucket)")
     p.add_argument("--log-level", default=None)
     p.add_argument("--prefill-on-decode", choices=PREFILL_ON_DECODE,
                    default=env_str("SPLITSERVE_PREFILL_ON_DECODE", "never"),
@@ -195,6 +200,6 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                                   max_queue_ms=a.max_queue_ms,
                                   prefill_tokens_per_s=a.prefill_tokens_per_s,
                                   headroom_quantile=a.slo_attainment,
-                                  guard=a.admission_guard),
+                                  guard=a.admission_guard, ttft_model=a.admission_ttft_model),
         prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams,
         reserve_overlap=a.reserve_overlap, log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s)

@@ -224,7 +224,7 @@ class GatewayCore(AdmitPath, Downstream):
         def first_token_out() -> None:
             nonlocal t_first, ttft_ms
             t_first = time.monotonic()
-            route.settle()
+            route.settle(finished=True)
             ttft_ms = (t_first - req.arrival) * 1e3
             got_ms = (t_first - route.t_decided) * 1e3
             self._observe_outcome(req, route, got_ms, None)

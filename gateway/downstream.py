@@ -193,8 +193,8 @@ class Downstream:
             follows = self._ticket_follows(p)
             tried.append(p.address)
             held = 0 if p is route.prefill and route.inflight else n
-            if held:
-                p.add_inflight(held)
+            key = p.add_inflight(held) if held else None
+            prefilled = False
             # NOTE: prefill_ms runs from the replica's receipt, its own queue included: only a
             # prompt sent to an otherwise idle replica times the compute the fit models
             route.alone = p.load.inflight_requests == 1 and not p.load.queued_tokens
@@ -216,6 +216,7 @@ class Downstream:
                             request_id=req.request_id, prompt_token_ids=ids, params=params_pb,
                             ticket=ticket), metadata=md)
                     resp = await call
+                prefilled = True
                 m = self.metrics.routing_prefix_tokens
                 m.labels(kind="prompt").inc(n)
                 m.labels(kind="predicted").inc(route.cached if p is route.prefill else 0)
@@ -246,9 +247,9 @@ class Downstream:
                 raise
             finally:
                 if held:
-                    p.done_inflight(held)
+                    p.done_inflight(held, key, prefilled)
                 elif p is route.prefill and route.here is None:
-                    route.settle()
+                    route.settle(prefilled)
                 self.queue.notify()
         if not tried:
             raise _down_error("prefill", self.prefill)

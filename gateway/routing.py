@@ -23,6 +23,7 @@ import grpc
 
 from common.grpc_util import open_channel
 from gateway.admission import LoadView, Prediction, Predictor
+from gateway.prefill_clock import PrefillClock
 
 log = logging.getLogger("splitserve.gateway.routing")
 
@@ -59,14 +60,19 @@ class Replica:
     # prefill: decode replicas its last handoff to went through a shared pool (vmm / shm), when
     # it takes tickets that follow the prompt (an older prefill does not: never sent them)
     pool_peers: set[str] = field(default_factory=set)
+    clock: PrefillClock = field(default_factory=PrefillClock)  # its in-flight prompts by time
 
-    def add_inflight(self, tokens: int) -> None:
+    def add_inflight(self, tokens: int) -> int:
+        """-> the prompt's key in `clock` (for done_inflight)."""
         self.load.inflight_tokens += tokens
         self.load.inflight_requests += 1
+        return self.clock.admit(tokens, time.monotonic())
 
-    def done_inflight(self, tokens: int) -> None:
+    def done_inflight(self, tokens: int, key: int | None = None, finished: bool = False) -> None:
+        """finished: its prefill ended with a first token (an engine step ended then)."""
         self.load.inflight_tokens = max(0, self.load.inflight_tokens - tokens)
         self.load.inflight_requests = max(0, self.load.inflight_requests - 1)
+        self.clock.done(key, time.monotonic(), finished)
 
     def mark_down(self, err: str) -> None:
         if self.healthy:
@@ -86,6 +92,7 @@ class Route:
     prefill: Replica | None = None
     cached: int = 0
     inflight: int = 0
+    inflight_key: int | None = None  # its entry in the replica's PrefillClock
     prediction: Prediction | None = None
     t_decided: float = 0.0
     decode: Replica | None = None
@@ -98,11 +105,12 @@ class Route:
     # in-flight tokens are counted there (until the first token) instead of on `prefill`
     here: Replica | None = None
 
-    def settle(self) -> None:
+    def settle(self, finished: bool = False) -> None:
+        """Its prompt is no longer in flight; finished: prefilled, with a first token."""
         r = self.here if self.here is not None else self.prefill
         if r is not None and self.inflight:
-            r.done_inflight(self.inflight)
-            self.inflight = 0
+            r.done_inflight(self.inflight, self.inflight_key, finished)
+            self.inflight, self.inflight_key = 0, None
 
     def hold_decode(self, decode: Replica, tpot_slo: float | None) -> None:
         if tpot_slo is not None and self.decode is None:
@@ -123,7 +131,8 @@ def load_view_from_pb(pb, keep: LoadView | None = None) -> LoadView:
                  num_total_blocks=int(pb.num_total_blocks) or None,
                  mean_step_ms=float(pb.mean_step_ms) or None,
                  tokens_per_s=float(pb.tokens_per_s) or None, device_id=pb.device_id,
-                 max_num_seqs=int(pb.max_num_seqs) or None)
+                 max_num_seqs=int(pb.max_num_seqs) or None,
+                 max_batched_tokens=int(pb.max_num_batched_tokens) or None)
     if keep is not None:
         v.inflight_tokens, v.inflight_requests = keep.inflight_tokens, keep.inflight_requests
     return v

@@ -74,7 +74,16 @@ def prediction_timings(pred, admitted_s: float) -> dict:
     t = pred.est_ttft_ms if pred.est_ttft_ms is not None else pred.ttft_ms
     p = pred.est_tpot_ms if pred.est_tpot_ms is not None else pred.tpot_ms
     raw = pred.raw_ttft_ms if pred.raw_ttft_ms is not None else pred.ttft_ms
-    # the model's parts (queue = raw - idle) let a benchmark say which one missed
-    return {"predicted_ttft_ms": t, "predicted_tpot_ms": p, "admitted_ms": admitted_s * 1e3,
-            "predicted_raw_ttft_ms": raw, "predicted_idle_ttft_ms": pred.idle_ttft_ms,
-            "predicted_ttft_bucket": pred.ttft_bucket}
+    # the model's parts (queue = raw - idle) let a benchmark say which one missed; the steps
+    # ahead and the fit's estimate let lab/admission_replay.py replay the TTFT fit
+    out = {"predicted_ttft_ms": t, "predicted_tpot_ms": p, "admitted_ms": admitted_s * 1e3,
+           "predicted_raw_ttft_ms": raw, "predicted_idle_ttft_ms": pred.idle_ttft_ms,
+           "predicted_ttft_bucket": pred.ttft_bucket,
+           "predicted_fit_ttft_ms": pred.fit_ttft_ms or 0.0,
+           "predicted_cached_tokens": pred.cached_tokens,
+           "predicted_decode_batch": pred.decode_batch}
+    a = pred.ahead
+    if a is not None:
+        out.update(ahead_running_tokens=a.running_tokens, ahead_queued_tokens=a.queued_tokens,
+                   ahead_elapsed_ms=a.elapsed_ms, ahead_tokens_per_s=a.tokens_per_ms * 1e3)
+    return out
