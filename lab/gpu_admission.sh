@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 24 in one short device call: `splitserve up` (8B split on one GPU) and bench.serve at
-# RATES with the SLO sent (admission), one run per rate; prints the table and the steady-load
-# prediction errors. Usage: OUT=... RATES=61.79,123.58 DURATION=12 bash lab/gpu_admission.sh
+# RATES with the SLO sent (admission), one run per rate; prints the table, the steady-load
+# prediction errors and lab/admission_replay.py's replay of each rate's rows.
+# Usage: OUT=... RATES=61.79,123.58 DURATION=12 bash lab/gpu_admission.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-lab/results}
@@ -28,4 +29,8 @@ for r in doc["results"]["runs"]:
           f"ttft APE all {s['ttft_prediction_ape_median']:.3f} steady {s['ttft_prediction_ape_median_steady']:.3f} "
           f"tpot APE steady {s['tpot_prediction_ape_median_steady']:.3f} rejected {s['rejected']}/{s['requests']}")
 PY
+# the TTFT estimators replayed on the run's own rows (the fit's steps ahead are logged now)
+RUN=$(ls -t "$OUT"/serve-8b-admission-*.json | head -1)
+RL=${RATES:-61.79,123.58}
+for R in ${RL//,/ }; do python3 -m lab.admission_replay "$RUN" --rate "$R"; done
 kill -INT $UP; wait $UP
