@@ -43,7 +43,7 @@ for s in ${STAGES:-auto wide}; do
     kills) OUT=$OUT VMM_KILLS=50 bash lab/gpu_system.sh vmm ;;
     1b) PD_TAG=_auto OUT=$OUT MODELS=dummy:llama-3.2-1b YIELD_RATIOS=default PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
     verify)
-      for i in 1 2 3; do PD_TAG=_verify$i OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd; done
+      for i in $(seq ${VERIFY_N:-3}); do PD_TAG=_verify$i OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd; done
       PD_TAG=_verify OUT=$OUT MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd
       OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh ;;
     mps0|mps|mpsD)
