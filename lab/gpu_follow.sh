@@ -44,7 +44,7 @@ for s in ${STAGES:-auto wide}; do
     1b) PD_TAG=_auto OUT=$OUT MODELS=dummy:llama-3.2-1b YIELD_RATIOS=default PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
     verify)
       for i in $(seq ${VERIFY_N:-3}); do PD_TAG=_verify$i OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd; done
-      PD_TAG=_verify OUT=$OUT MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd
+      [ "${VERIFY_8B:-1}" = 1 ] && PD_TAG=_verify OUT=$OUT MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd
       OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh ;;
     mps0|mps|mpsD)
       if ! mps_on; then echo "== $s: no MPS"; continue; fi
