@@ -91,6 +91,20 @@ def _engine(a) -> Engine:
                                device=DeviceConfig(device=a.device), **a.engine_extra))
 
 
+def cpu_decode_attention(eng: Engine) -> str | None:
+    """The decode rows' attention on CPU: 'native' (the C kernel reads each row's own context;
+    engine/layers/attention_cpu_native.py) or 'torch' (contexts gathered into a copy padded to
+    the longest); None off CPU. The planner's padded_attention follows it (bench/plan_validate.py)."""
+    d = eng.cfg.device
+    if d.device != "cpu":
+        return None
+    from engine import cpu_native
+
+    native = (d.cpu_kernels != "torch" and eng.cfg.model.dtype in ("auto", "fp32", "float32")  # its q is fp32
+              and cpu_native.library(d.cpu_kernels) is not None)
+    return "native" if native else "torch"
+
+
 def _busy(a, ready, stop) -> None:
     """A contending engine: decode `contend_batch` rows back to back until `stop` is set."""
     eng = _engine(a)
@@ -145,6 +159,7 @@ def main(argv=None) -> int:
             p.join(60)
     print_table(rows, ["case", "eager_ms"])
     conf = {k: v for k, v in vars(a).items() if k != "engine_extra"}
+    conf["cpu_decode_attention"] = cpu_decode_attention(eng)
     print("wrote", write_result("engine_costs", conf, {"rows": rows}))
     return 0
 

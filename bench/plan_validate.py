@@ -40,6 +40,15 @@ def is_cpu(path: str) -> bool:
     return json.loads(open(path).read()).get("config", {}).get("device", "cuda") == "cpu"
 
 
+def padded_auto(path: str) -> bool:
+    """Whether decode rows pay for the step's longest context in the engine the calibration
+    measured: on CPU with the torch attention (contexts gathered into a copy padded to the
+    longest), not with the C kernel (each row reads its own context: engine_costs records
+    cpu_decode_attention 'native'). A CPU result that does not say is taken as padded."""
+    cfg = json.loads(open(path).read()).get("config", {})
+    return cfg.get("device", "cuda") == "cpu" and cfg.get("cpu_decode_attention") != "native"
+
+
 def build(a):
     """(calibration with the serving overheads, cluster, (request, step, row overhead ms))."""
     if a.fit_contention and not (a.loaded and a.devices):
@@ -47,7 +56,7 @@ def build(a):
     if a.fit_ttft_rows and (a.fit_contention or not a.loaded):
         raise ValueError("--fit-ttft-rows needs --loaded and no --fit-contention (both fit its TTFT)")
     pre, dec = points_from_bench(a.calibration, a.shape)
-    padded = a.padded_attention == "on" or (a.padded_attention == "auto" and is_cpu(a.calibration))
+    padded = a.padded_attention == "on" or (a.padded_attention == "auto" and padded_auto(a.calibration))
     cont = a.contention if a.contention is not None else \
         contention_from(a.calibration, a.contended, a.shape) if a.contended else 1.0
     cal = dataclasses.replace(calibrate(pre, dec, a.kv_bytes_per_token, a.kv_gbps, a.calibration,
@@ -87,7 +96,7 @@ def err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas else float("nan")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.plan_validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("serve", nargs="+", help="bench.serve result JSON(s) with open-loop points")
@@ -130,10 +139,15 @@ def main(argv=None) -> int:
                     help="decode step vs batch: through the engine's measured batches (the line "
                     "plus its residual at each, interpolated) or the fitted line alone")
     ap.add_argument("--padded-attention", choices=("auto", "on", "off"), default="auto",
-                    help="decode rows pay for the step's longest context (auto: on for CPU results)")
+                    help="decode rows pay for the step's longest context (auto: on for CPU "
+                    "results unless they record the C kernel's attention, cpu_decode_attention native)")
     ap.add_argument("--tolerance", type=float, default=0.15)
     ap.add_argument("--no-write", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     try:
         cal, cluster, fits = build(a)
         over, step_over, row_over = fits

@@ -114,3 +114,15 @@ def test_row_cost_growth_fits_back_from_two_loads():
                                         Cluster(0, 1), growth=True)
         row = plan_validate.fit_rows(lo, Calibration(cal.prefill, cal.decode, row_growth=growth), Cluster(0, 1))
     assert growth == pytest.approx(0.05, rel=0.15) and row == pytest.approx(2.0, abs=0.3)
+
+
+def test_padded_attention_follows_the_calibrations_decode_attention(tmp_path):
+    def costs(name, config):
+        p = tmp_path / name
+        p.write_text(json.dumps({"benchmark": "engine_costs", "config": config, "results": {"rows": []}}))
+        return str(p)
+
+    assert plan_validate.padded_auto(costs("old.json", {"device": "cpu"}))  # not recorded: padded
+    assert plan_validate.padded_auto(costs("t.json", {"device": "cpu", "cpu_decode_attention": "torch"}))
+    assert not plan_validate.padded_auto(costs("n.json", {"device": "cpu", "cpu_decode_attention": "native"}))
+    assert not plan_validate.padded_auto(costs("g.json", {"device": "cuda"}))
