@@ -10,6 +10,7 @@
 #         time-slicing), decode's yield off; mps: the same with the yield at its default;
 #         mpsD: MPS, yield off, decode limited to MPS_PCT (default 40) % of the SMs
 #   1b    pd_system 1B, defaults
+#   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
 #   verify the decode loop and the TTFT correction since 0ff17d1: pd_system 1B three times, 8B
 #         once, then lab/gpu_admission.sh at 61.79 req/s (read with python -m lab.admission_replay)
 # A stage starts only while BUDGET_S (default 560) seconds have not passed. Usage: OUT=... bash lab/gpu_follow.sh
@@ -46,6 +47,9 @@ for s in ${STAGES:-auto wide}; do
       for i in $(seq ${VERIFY_N:-3}); do PD_TAG=_verify$i OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd; done
       [ "${VERIFY_8B:-1}" = 1 ] && PD_TAG=_verify OUT=$OUT MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd
       OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh ;;
+    lean)  # the admission run first (the live TTFT error), then the 1B once
+      OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh
+      PD_TAG=_lean OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
     mps0|mps|mpsD)
       if ! mps_on; then echo "== $s: no MPS"; continue; fi
       y=0; [ $s = mps ] && y=default
