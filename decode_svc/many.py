@@ -15,6 +15,7 @@ import logging
 import grpc
 
 from common.convert import merge_decode_response
+from decode_svc.stream_state import is_plain, response
 from protos import decode_pb2
 
 log = logging.getLogger("splitserve.decode")
@@ -81,8 +82,8 @@ class ManyMixin:
                 out.put_nowait(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
                                       f"request {rid!r} is already running on this call"))
                 return
-            def emit(resp, rid=rid) -> None:
-                out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
+            def emit(msg, rid=rid) -> None:  # built into the writer's batch (_batch)
+                out.put_nowait((rid, msg))
 
             ctx = _RequestContext(context, dict(st.trace_context), emit)
             # NOTE: a fresh contextvars context: its spans continue the request's own trace,
@@ -105,9 +106,9 @@ class ManyMixin:
                 items = [await out.get()]
                 while not out.empty():
                     items.append(out.get_nowait())
-                items = _merged(items)
-                if items:
-                    yield decode_pb2.DecodeManyBatch(items=items)
+                batch = _batch(items)
+                if batch is not None:
+                    yield batch
                 if reader.done() and not tasks:
                     reader.result()  # a broken request stream ends the call with its error
                     return
@@ -117,22 +118,54 @@ class ManyMixin:
                 t.cancel()
 
 
-def _merged(items: list) -> list:
-    """The batch: None wake-ups dropped, and one item per request (its messages that queued
-    while the writer waited on a slow reader merged, in order; an error ends its request)."""
-    out: list = []
+def _batch(entries: list) -> decode_pb2.DecodeManyBatch | None:
+    """The writer's message: None wake-ups dropped, one item per request (its messages that
+    queued while the writer waited on a slow reader merged, in order; an error ends its
+    request). An entry is a DecodeManyItem (an error, or a message the Decode handler yielded)
+    or (request id, message) from emit, the message a DecodeResponse or `response`'s arguments;
+    a plain step's are written into the batch in place (no message built and copied twice)."""
+    batch = decode_pb2.DecodeManyBatch()
+    add = batch.items.add
     last: dict[str, decode_pb2.DecodeManyItem] = {}
-    for it in items:
-        if it is None:
+    for e in entries:
+        if e is None:
             continue
-        prev = last.get(it.request_id)
-        if prev is not None and not prev.error_code and not it.error_code \
-                and not prev.response.finish_reason:
-            merge_decode_response(prev.response, it.response)
-            continue
-        last[it.request_id] = it
-        out.append(it)
-    return out
+        if type(e) is tuple:
+            rid, msg = e
+            fields = msg if type(msg) is tuple else None
+            plain = fields is not None and is_plain(fields)
+            if not plain and fields is not None:
+                msg = response(*fields)
+            prev = last.get(rid)
+            if prev is not None and _open(prev):
+                if plain:
+                    prev.response.token_ids.extend(fields[0])
+                    prev.response.num_generated = fields[6]
+                else:
+                    merge_decode_response(prev.response, msg)
+                continue
+            if plain:
+                it = add(request_id=rid)
+                r = it.response
+                r.token_ids.extend(fields[0])
+                r.num_generated = fields[6]
+            else:
+                it = add(request_id=rid, response=msg)
+        else:
+            rid = e.request_id
+            prev = last.get(rid)
+            if prev is not None and _open(prev) and not e.error_code:
+                merge_decode_response(prev.response, e.response)
+                continue
+            batch.items.append(e)
+            it = batch.items[-1]
+        last[rid] = it
+    return batch if len(batch.items) else None
+
+
+def _open(item: decode_pb2.DecodeManyItem) -> bool:
+    """More of this request's messages may merge into item."""
+    return not item.error_code and not item.response.finish_reason
 
 
 def _error(rid: str, code: grpc.StatusCode, details: str) -> decode_pb2.DecodeManyItem:

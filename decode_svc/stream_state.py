@@ -20,6 +20,12 @@ class StreamAbort(Exception):
         self.code = code
 
 
+def is_plain(fields: tuple) -> bool:
+    """fields (as `response` takes them) carry only tokens and the count: most steps."""
+    _ids, text, lps, reason, stop, wait_ms, _n = fields
+    return not (text or lps or reason or stop or wait_ms)
+
+
 def response(ids, text, lps, reason, stop, wait_ms, n_gen) -> decode_pb2.DecodeResponse:
     if not (text or lps or reason or stop or wait_ms):  # a plain step: half the build cost
         return decode_pb2.DecodeResponse(token_ids=ids, num_generated=n_gen)
@@ -35,7 +41,7 @@ class StreamState:
     "error", or "abort" (the stream ended before its request did)."""
 
     def __init__(self, svc, request, params, wait_ms: float, here: bool):
-        self.svc, self.metrics = svc, svc.metrics
+        self.svc, self.metrics, self.tally = svc, svc.metrics, svc.step_tally
         self.prompt = [int(x) for x in request.prompt_token_ids]
         self.first = None if here else int(request.first_token_id)
         tok = svc.engine.tokenizer
@@ -63,6 +69,11 @@ class StreamState:
     def on_output(self, out) -> tuple[decode_pb2.DecodeResponse, bool]:
         """An engine output -> (its message, whether the stream ends with it). Raises
         RuntimeError for an engine error."""
+        fields, done = self.fields(out)
+        return response(*fields), done
+
+    def fields(self, out) -> tuple[tuple, bool]:
+        """As on_output, the message as `response`'s arguments (a batch builds it in place)."""
         if out.finish_reason == "error":
             self.outcome = "error"
             raise RuntimeError(out.error or "engine error")
@@ -72,14 +83,15 @@ class StreamState:
             m.queue_time.observe(out.queue_s)
             m.prefill_time.observe(out.prefill_s)
         n = len(out.new_token_ids)
+        gap = None
         if self.t_first is None:
             self.t_first = now
         elif n:
-            m.itl.observe(now - self.t_last)
+            gap = now - self.t_last
         self.t_last = now
         self.n_gen += n
         self.svc._generated += n
-        m.generation_tokens.inc(n)
+        self.tally.add(gap, n)
         text, self.pending_text = self.pending_text, ""
         reason = out.finish_reason if out.finished else None
         stop = None
@@ -97,12 +109,13 @@ class StreamState:
             # reading the last message never resumes its reader, and this request did finish
             self.outcome = reason
             m.decode_time.observe(now - self.t_first)
-        msg = response(out.new_token_ids, text if self.text_out else "", lps, reason, stop or "",
-                       self.wait_ms if self.first_msg else 0.0, self.n_gen)
+        fields = (out.new_token_ids, text if self.text_out else "", lps, reason, stop or "",
+                  self.wait_ms if self.first_msg else 0.0, self.n_gen)
         self.first_msg = False
-        return msg, reason is not None
+        return fields, reason is not None
 
     def close(self) -> None:
+        self.tally.flush()  # a finished request's per-token metrics are in before its outcome
         self.metrics.requests.labels(outcome=self.outcome).inc()
         if self.outcome != "error":
             self.metrics.request_generation_tokens.observe(self.n_gen)

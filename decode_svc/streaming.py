@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 import grpc
 
+from common.step_tally import StepTally
 from decode_svc.stream_state import StreamAbort, StreamState
 from engine.sampling_params import InvalidRequestError
 
@@ -26,6 +28,11 @@ _ABORTED = object()
 
 class StreamingMixin:
     """Needs engine (AsyncEngine), metrics, _running, _callers and _generated (DecodeServicer)."""
+
+    @functools.cached_property
+    def step_tally(self) -> StepTally:
+        """The streams' per-token metrics, written once a loop wake-up (common/step_tally.py)."""
+        return StepTally(self.metrics.itl, self.metrics.generation_tokens)
 
     async def _stream(self, rid, request, params, wait_ms, here: bool = False):
         """Yield DecodeResponses. here: the prompt runs in this engine (prefill_here); else its
@@ -74,7 +81,8 @@ class StreamingMixin:
             st.close()
 
     async def _stream_batched(self, rid, request, params, wait_ms, emit, here: bool = False) -> None:
-        """As _stream, each message handed to emit(msg) as it is made; returns once the stream
+        """As _stream, each message handed to emit(msg) as it is made (a DecodeResponse, or
+        `stream_state.response`'s arguments for a step's output); returns once the stream
         ended, raises _Abort / RuntimeError as _stream does."""
         st = StreamState(self, request, params, wait_ms, here)
         reg = None
@@ -135,7 +143,7 @@ class _Sink:
         if self.done.done():
             return
         try:
-            msg, end = self.st.on_output(out)
+            msg, end = self.st.fields(out)
         except RuntimeError as e:
             self.done.set_exception(e)
             return

@@ -1,7 +1,8 @@
 """What decode's event loop spends a request a step: a real AsyncEngine around a fake Engine
 that steps ROWS requests every STEP ms (no model), and ROWS consumers of the decode service's
 own per-request stream (StreamingMixin._stream) shaped like DecodeMany's run_one (each message
-wrapped in a DecodeManyItem, one writer batching them), all on one uvloop loop.
+wrapped in a DecodeManyItem; batched: DecodeMany's emit and writer, decode_svc/many.py),
+all on one uvloop loop.
 
     python -m lab.decode_stream_probe [--rows 64] [--step-ms 2] [--tokens 256] [--rounds 3]
         [--mode stream|batched]   (stream: _stream, a task per request; batched: _stream_batched)
@@ -18,6 +19,7 @@ import threading
 import time
 
 from common.metrics import get_metrics
+from decode_svc.many import _batch
 from decode_svc.streaming import StreamingMixin
 from engine.async_engine import AsyncEngine
 from engine.request import RequestOutput
@@ -83,8 +85,7 @@ async def one_round(rows: int, step_ms: float, tokens: int, mode: str = "stream"
         rid = f"r{i}"
         req = decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[1, 2, 3], first_token_id=7)
         if mode == "batched":
-            await svc._stream_batched(rid, req, params, 0.0, lambda resp: out.put_nowait(
-                decode_pb2.DecodeManyItem(request_id=rid, response=resp)))
+            await svc._stream_batched(rid, req, params, 0.0, lambda msg: out.put_nowait((rid, msg)))
         else:
             async for resp in svc._stream(rid, req, params, 0.0):
                 out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
@@ -97,9 +98,10 @@ async def one_round(rows: int, step_ms: float, tokens: int, mode: str = "stream"
             while not out.empty():
                 items.append(out.get_nowait())
             ended += sum(1 for x in items if x is None)
-            batch = decode_pb2.DecodeManyBatch(items=[x for x in items if x is not None])
-            batch.SerializeToString()
-            msgs[0] += len(batch.items)
+            batch = _batch(items)  # DecodeMany's own writer
+            if batch is not None:
+                batch.SerializeToString()
+                msgs[0] += len(batch.items)
 
     loop_tid = threading.get_native_id()
     t0, c0 = time.perf_counter(), time.thread_time()

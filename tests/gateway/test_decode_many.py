@@ -175,19 +175,28 @@ async def test_a_step_of_many_requests_comes_as_few_batches(decode):
 
 
 def test_decode_merges_a_requests_queued_messages_in_one_batch():
-    from decode_svc.many import _error, _merged
+    from decode_svc.many import _batch, _error
+    from protos import generate_pb2
 
     def item(rid, toks, fin=0):
         return decode_pb2.DecodeManyItem(request_id=rid, response=decode_pb2.DecodeResponse(
             token_ids=toks, text="".join(chr(97 + t) for t in toks), finish_reason=fin,
             num_generated=toks[-1]))
 
-    got = _merged([item("a", [1]), None, item("b", [5]), item("a", [2]), item("a", [3], fin=2),
-                   item("b", [6]), _error("b", grpc.StatusCode.INTERNAL, "boom")])
+    def plain(rid, toks):  # emit's form of a plain step: `response`'s arguments
+        return (rid, (toks, "", [], None, "", 0.0, toks[-1]))
+
+    got = _batch([item("a", [1]), None, item("b", [5]), item("a", [2]), item("a", [3], fin=2),
+                  item("b", [6]), _error("b", grpc.StatusCode.INTERNAL, "boom"), plain("c", [7]),
+                  plain("c", [8]), ("c", (item("c", [9]).response.token_ids, "j", [], "stop", "",
+                                          0.0, 9)), plain("c", [10])]).items
     assert [(it.request_id, list(it.response.token_ids), it.response.text,
              it.response.finish_reason, it.response.num_generated, it.error_code) for it in got] == [
         ("a", [1, 2, 3], "bcd", 2, 3, 0), ("b", [5, 6], "fg", 0, 6, 0),
-        ("b", [], "", 0, 0, grpc.StatusCode.INTERNAL.value[0])]
+        ("b", [], "", 0, 0, grpc.StatusCode.INTERNAL.value[0]),
+        ("c", [7, 8, 9], "j", generate_pb2.FINISH_REASON_STOP, 9, 0),
+        ("c", [10], "", 0, 10, 0)]
+    assert _batch([None, None]) is None
 
 
 async def test_gateway_merges_what_queued_behind_a_busy_reader_and_keeps_the_error_last():

@@ -11,6 +11,7 @@ import pytest
 
 from common.metrics import ServiceMetrics
 from decode_svc.servicer import DecodeServicer
+from decode_svc.stream_state import response
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -54,6 +55,11 @@ async def _free(eng, ae) -> bool:
     return False
 
 
+def _into(got: list):
+    """An emit that keeps each message as a DecodeResponse (a step's come as its fields)."""
+    return lambda m: got.append(response(*m) if type(m) is tuple else m)
+
+
 def _count(m: ServiceMetrics, outcome: str) -> float:
     return m.registry.get_sample_value("splitserve_requests_total", {"outcome": outcome}) or 0.0
 
@@ -62,7 +68,7 @@ async def test_same_tokens_as_the_generator_form(svc):
     s, eng = svc
     want = [t async for m in s._stream("g", _req("g", 12), _params(12), 0.0, here=True) for t in m.token_ids]
     got: list = []
-    await s._stream_batched("b", _req("b", 12), _params(12), 0.0, got.append, here=True)
+    await s._stream_batched("b", _req("b", 12), _params(12), 0.0, _into(got), here=True)
     assert [t for m in got for t in m.token_ids] == want and len(want) == 12
     assert got[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
     assert _count(s.metrics, "length") == 2 and _count(s.metrics, "abort") == 0
@@ -72,7 +78,7 @@ async def test_same_tokens_as_the_generator_form(svc):
 async def test_abort_ends_it_with_an_abort_message_and_frees_the_blocks(svc):
     s, eng = svc
     got: list = []
-    task = asyncio.create_task(s._stream_batched("a", _req("a", 400), _params(400), 0.0, got.append, here=True))
+    task = asyncio.create_task(s._stream_batched("a", _req("a", 400), _params(400), 0.0, _into(got), here=True))
     while sum(len(m.token_ids) for m in got) < 3:
         await asyncio.sleep(0.005)
     assert await s._drop(decode_pb2.ReleaseRequest(request_id="a"), "aborted", None)
@@ -85,7 +91,7 @@ async def test_abort_ends_it_with_an_abort_message_and_frees_the_blocks(svc):
 async def test_a_cancelled_handler_aborts_its_request(svc):
     s, eng = svc
     got: list = []
-    task = asyncio.create_task(s._stream_batched("c", _req("c", 400), _params(400), 0.0, got.append, here=True))
+    task = asyncio.create_task(s._stream_batched("c", _req("c", 400), _params(400), 0.0, _into(got), here=True))
     while not got:
         await asyncio.sleep(0.005)
     task.cancel()
