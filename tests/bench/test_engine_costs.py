@@ -44,12 +44,12 @@ def test_the_result_says_which_decode_attention_the_engine_ran(tmp_path, monkeyp
         return SimpleNamespace(cfg=SimpleNamespace(device=SimpleNamespace(device=device, cpu_kernels=kernels),
                                                    model=SimpleNamespace(dtype=dtype)))
 
-    monkeypatch.setattr(cpu_native, "library", lambda mode: object())
+    monkeypatch.setattr(cpu_native, "library", lambda *a: object())
     assert engine_costs.cpu_decode_attention(eng()) == "native"
     assert engine_costs.cpu_decode_attention(eng(kernels="torch")) == "torch"
     assert engine_costs.cpu_decode_attention(eng(dtype="bf16")) == "torch"
     assert engine_costs.cpu_decode_attention(eng(device="cuda")) is None
-    monkeypatch.setattr(cpu_native, "library", lambda mode: None)  # no compiler here
+    monkeypatch.setattr(cpu_native, "library", lambda *a: None)  # no compiler here
     assert engine_costs.cpu_decode_attention(eng()) == "torch"
 
     monkeypatch.setenv("SPLITSERVE_BENCH_DIR", str(tmp_path))
