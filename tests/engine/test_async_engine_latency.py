@@ -9,18 +9,15 @@ import threading
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from engine.engine import Engine
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from tests.tiny_engine import tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
-                               cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
-                               device=DeviceConfig(device="cpu")))
+    return tiny_engine(device="cpu")
 
 
 @pytest.fixture

@@ -8,10 +8,9 @@ import asyncio
 
 from engine.async_engine import AsyncEngine
 from engine.async_streams import merge_queued as _merge_queued
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.engine import Engine
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from tests.tiny_engine import tiny_engine
 
 
 def _q(*items):
@@ -39,13 +38,8 @@ def test_hands_back_what_it_cannot_merge():
     assert _merge_queued(err, _q(RequestOutput("r", [1]))) == (err, None)
 
 
-def _engine():
-    return Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=256),
-                               cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
-
-
 async def test_slow_reader_gets_every_token_once_merged():
-    eng = _engine()
+    eng = tiny_engine()
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     ae = AsyncEngine(engine=eng)
     await ae.start()
@@ -63,7 +57,7 @@ async def test_slow_reader_gets_every_token_once_merged():
 
 
 async def test_interrupt_ends_the_stream_and_frees_the_blocks():
-    eng = _engine()
+    eng = tiny_engine()
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     ae = AsyncEngine(engine=eng)
     await ae.start()

@@ -13,10 +13,9 @@ from common.metrics import ServiceMetrics
 from decode_svc.servicer import DecodeServicer
 from decode_svc.stream_state import response
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import decode_pb2, generate_pb2
+from tests.tiny_engine import tiny_engine
 
 
 class _NoTransfers:
@@ -31,8 +30,7 @@ class _NoTransfers:
 
 @pytest.fixture
 async def svc():
-    eng = Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=512),
-                              cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
+    eng = tiny_engine(max_model_len=512)
     ae = AsyncEngine(engine=eng)
     await ae.start()
     yield DecodeServicer(ae, _NoTransfers(), ServiceMetrics("decode")), eng

@@ -11,10 +11,9 @@ import pytest
 
 from decode_svc.pacing import StepPacer
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from kvtransfer import KVLayout, KVReceiver
+from tests.tiny_engine import tiny_engine
 
 
 def test_interval_is_ratio_times_fastest_recent_step_under_the_caps():
@@ -60,13 +59,8 @@ class _FixedPacer(StepPacer):
         return self.max_gap_s
 
 
-def _engine():
-    return Engine(EngineConfig(model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=128),
-                               cache=CacheConfig(num_blocks=32, enable_prefix_caching=False)))
-
-
 async def test_engine_thread_spaces_steps_and_still_takes_commands():
-    eng = _engine()
+    eng = tiny_engine(max_model_len=128, num_blocks=32)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ae = AsyncEngine(engine=eng)
     await ae.start()
