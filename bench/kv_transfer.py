@@ -63,19 +63,17 @@ async def _bench_sender(name: str, sender, rp: ReceiverProc, layout: KVLayout, t
             "GB/s": round(n / med / 1e9, 3), "min_ms": round(min(times) * 1e3, 3)}
 
 
-async def _nixl_on(layout: KVLayout, max_blocks: int, dev: str, a) -> list[dict]:
-    from kvtransfer.backends.nixl_sender import NixlKVSender
-    from kvtransfer.endpoint import local_endpoint
-
+async def _rows_on(name: str, layout: KVLayout, max_blocks: int, a, rx_device: str, tx_device: str,
+                   make_sender, nixl: bool = False) -> list[dict]:
+    """One backend's rows: a receiver process with its cache on rx_device, a sender from
+    make_sender() sending from tx_device, every --tokens size."""
     rows = []
-    rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, device=dev, timeout_s=120, nixl=True)
+    rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, device=rx_device, timeout_s=120, nixl=nixl)
     try:
-        s = NixlKVSender(local_endpoint(dev), op_timeout_s=120, connect_timeout_s=30,
-                         staging_bytes=2 * layout.layer_nbytes(max_blocks))
+        s = make_sender()
         for tokens in a.tokens:
-            row = await _bench_sender(f"nixl-{dev}", s, rp, layout, tokens, a.repeats, dev)
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(await _bench_sender(name, s, rp, layout, tokens, a.repeats, tx_device))
+            print(rows[-1], flush=True)
         await s.close()
     finally:
         rp.stop()
@@ -121,6 +119,13 @@ async def run(a) -> list[dict]:
         except ImportError as e:
             nixl_why = str(e)
             print(f"skipped nixl: no NIXL wheel imports ({e})", flush=True)
+    def nixl_sender(dev: str):
+        from kvtransfer.backends.nixl_sender import NixlKVSender
+
+        # NOTE: staging holds a whole layer of the largest request, with room for two
+        return NixlKVSender(local_endpoint(dev), op_timeout_s=120, connect_timeout_s=30,
+                            staging_bytes=2 * layout.layer_nbytes(max_blocks))
+
     cpu_nixl = "nixl" in want and nixl_why is None and "cpu" in a.nixl_device
     if want & {"grpc", "dist"} or cpu_nixl:
         rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, timeout_s=120, nixl=cpu_nixl)
@@ -132,12 +137,7 @@ async def run(a) -> list[dict]:
                 senders.append(("dist", DistKVSender(local_endpoint("cpu"), host="127.0.0.1",
                                                      op_timeout_s=120, connect_timeout_s=30)))
             if cpu_nixl:
-                from kvtransfer.backends.nixl_sender import NixlKVSender
-
-                # NOTE: staging holds a whole layer of the largest request, with room for two
-                senders.append(("nixl", NixlKVSender(local_endpoint("cpu"), op_timeout_s=120,
-                                                     connect_timeout_s=30,
-                                                     staging_bytes=2 * layout.layer_nbytes(max_blocks))))
+                senders.append(("nixl", nixl_sender("cpu")))
             for name, s in senders:
                 for tokens in a.tokens:
                     rows.append(await _bench_sender(name, s, rp, layout, tokens, a.repeats, "cpu"))
@@ -151,17 +151,11 @@ async def run(a) -> list[dict]:
         if not torch.cuda.is_available():
             print(f"skipped nixl on {dev}: no CUDA", flush=True)
             continue
-        rows += await _nixl_on(layout, max_blocks, dev, a)
+        rows += await _rows_on(f"nixl-{dev}", layout, max_blocks, a, dev, dev,
+                               lambda dev=dev: nixl_sender(dev), nixl=True)
     if "nccl" in want and two_gpus:
-        rp = ReceiverProc.spawn(layout, num_blocks=max_blocks, device="cuda:1", timeout_s=120)
-        try:
-            s = DistKVSender(local_endpoint("cuda:0"), host="127.0.0.1", op_timeout_s=120)
-            for tokens in a.tokens:
-                rows.append(await _bench_sender("nccl", s, rp, layout, tokens, a.repeats, "cuda:0"))
-                print(rows[-1], flush=True)
-            await s.close()
-        finally:
-            rp.stop()
+        rows += await _rows_on("nccl", layout, max_blocks, a, "cuda:1", "cuda:0", lambda: DistKVSender(
+            local_endpoint("cuda:0"), host="127.0.0.1", op_timeout_s=120))
     if "peer" in want and two_gpus:
         for tokens in a.tokens:
             rows.append(_peer_copy(layout, tokens, a.repeats))

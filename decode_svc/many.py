@@ -139,16 +139,13 @@ def _batch(entries: list) -> decode_pb2.DecodeManyBatch | None:
             prev = last.get(rid)
             if prev is not None and _open(prev):
                 if plain:
-                    prev.response.token_ids.extend(fields[0])
-                    prev.response.num_generated = fields[6]
+                    _put_plain(prev.response, fields)
                 else:
                     merge_decode_response(prev.response, msg)
                 continue
             if plain:
                 it = add(request_id=rid)
-                r = it.response
-                r.token_ids.extend(fields[0])
-                r.num_generated = fields[6]
+                _put_plain(it.response, fields)
             else:
                 it = add(request_id=rid, response=msg)
         else:
@@ -161,6 +158,12 @@ def _batch(entries: list) -> decode_pb2.DecodeManyBatch | None:
             it = batch.items[-1]
         last[rid] = it
     return batch if len(batch.items) else None
+
+
+def _put_plain(into: decode_pb2.DecodeResponse, fields: tuple) -> None:
+    """Append a plain step (its tokens and count) to a message in the batch."""
+    into.token_ids.extend(fields[0])
+    into.num_generated = fields[6]
 
 
 def _open(item: decode_pb2.DecodeManyItem) -> bool:
