@@ -77,6 +77,7 @@ def trace_stats(traces: list[Trace]) -> dict:
             "ttft_ms_median": percentile([ts[0] - t.t_send for t, ts in zip(done, times)], 50) * 1e3,
             "tpot_ms": percentile(tpots, 50) * 1e3,
             "itl_ms_median": percentile(gaps, 50) * 1e3, "itl_ms_p99": percentile(gaps, 99) * 1e3,
+            "itl_ms_mean": sum(gaps) / len(gaps) * 1e3 if gaps else float("nan"),
             "itl_after_first_ms_median": percentile(late, 50) * 1e3,
             "itl_after_first_ms_p99": percentile(late, 99) * 1e3, "itl_after_first_gaps": len(late)}
 

@@ -38,7 +38,9 @@ import sys
 import tempfile
 import time
 
+from bench.client_pool import ClientPool
 from bench.common import print_table, write_result
+from bench.pd_hops import itl_means, snapshot
 from bench.pd_clients import (free_port, kv_delta, model_info, percentile, random_prompts,
                                run_engine, run_system, scrape, stop_process, trace_stats,
                                wait_up)
@@ -77,6 +79,9 @@ def parse_args(argv=None):
     ap.add_argument("--topology", choices=("split", "colocated", "auto"), default="split",
                     help="up's topology (split: the disaggregated system this compares; "
                          "auto colocates on CPU)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes the system's streams are spread over (1: all in this "
+                         "process, whose loop may then set the pace of short steps)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     a, rest = ap.parse_known_args(argv)
     ep = argparse.ArgumentParser(prog="engine flags", allow_abbrev=False)
@@ -150,7 +155,9 @@ def run_cases(run, a, vocab: int, max_model_len: int, seed: int, side: str, prob
     res["load"] = guarded(lambda: trace_stats(
         run(random_prompts(a.clients, a.prompt_len, vocab, seed + 200), a.max_tokens, None)))
     if probe:
-        res["kv"] = guarded(lambda: kv_delta(before, probe(), a.clients))
+        after = guarded(probe)
+        res["kv"] = guarded(lambda: kv_delta(before, after, a.clients))
+        res["hops"] = guarded(lambda: itl_means(before, after))
     for i, (key, lp) in enumerate((("lp_off", None), ("lp_on", a.logprobs))):
         say(f"{side}: {a.lp_batch} requests, logprobs {'off' if lp is None else lp}")
         res[key] = guarded(lambda: trace_stats(
@@ -224,11 +231,20 @@ def system_side(a, e, engine_argv: list[str]) -> tuple[dict, str]:
         say(f"whole system: up (REST {rest}, gRPC {grpc_addr})")
         addr = grpc_addr if a.api == "grpc" else rest
 
+        pool = ClientPool(a.client_procs) if a.client_procs > 1 else None
+
         def run(prompts, max_tokens, lp):
+            if pool is not None:
+                return pool.run(a.api, addr, info.model, prompts, max_tokens, lp)
             return asyncio.run(run_system(a.api, addr, info.model, prompts, max_tokens, lp))
 
-        res = run_cases(run, a, info.vocab_size, info.max_model_len, e.seed, "whole system",
-                        probe=lambda: {**scrape(mports[0]), **scrape(mports[1])})
+        hops = {"decode": f"http://127.0.0.1:{mports[1]}", "gateway": rest}
+        try:
+            res = run_cases(run, a, info.vocab_size, info.max_model_len, e.seed, "whole system",
+                            probe=lambda: {**scrape(mports[0]), **scrape(mports[1]), **snapshot(hops)})
+        finally:
+            if pool is not None:
+                pool.close()
     except Exception as ex:  # noqa: BLE001 - every system cell says why
         say(f"whole system failed: {ex}")
         res = {"error": f"error: {type(ex).__name__}: {ex}"}
@@ -281,6 +297,9 @@ def build_rows(eng: dict, sysr: dict, a) -> list[dict]:
              ("ITL median, after all first tokens, ms", "load", "itl_after_first_ms_median", "time"),
              ("ITL p99, after all first tokens, ms", "load", "itl_after_first_ms_p99", "time"),
              ("ITL p99/median, after all first tokens", "load", "itl_after_first_p99/median", "time"),
+             ("ITL mean at the client, ms (load)", "load", "itl_ms_mean", "time"),
+             ("ITL mean at the gateway, ms (load; its ITL histogram)", "hops", "gateway_itl_ms_mean", None),
+             ("ITL mean at decode, ms (load; its ITL histogram)", "hops", "decode_itl_ms_mean", None),
              (f"TPOT logprobs off ({a.lp_batch} req), ms", "lp_off", "tpot_ms", "time"),
              (f"TPOT logprobs on ({a.lp_batch} req), ms", "lp_on", "tpot_ms", "time"),
              ("client messages per token (load; < 1: gaps are per message)", "load",
@@ -295,7 +314,7 @@ def build_rows(eng: dict, sysr: dict, a) -> list[dict]:
     rows = []
     for label, case, key, kind in spec:
         ev, sv = cell(eng, case, key), cell(sysr, case, key)
-        if case in ("kv", "kv_ttft"):
+        if case in ("kv", "kv_ttft", "hops"):
             ev = "-"
         rows.append({"case": label, "engine alone": fmt(ev), "whole system": fmt(sv),
                      "ratio": fmt(ratio(sv, ev, kind)) if kind else ""})
@@ -327,7 +346,7 @@ def main(argv=None) -> int:
     sysr, up_tail = system_side(a, e, engine_argv)
     add_derived(sysr)
     rows = build_rows(eng, sysr, a)
-    print(f"pd_system: {e.model} on {e.device}, {a.api} clients, KV transfer "
+    print(f"pd_system: {e.model} on {e.device}, {a.api} clients ({a.client_procs} processes), KV transfer "
           f"{a.kv_backend or 'default'}, prefill on decode {a.prefill_on_decode or 'default'}, "
           f"decode streams {a.decode_streams or 'default'}; ratio = system / engine "
           f"(TTFT: system / (engine + {TTFT_SLACK_MS:.0f} ms))")

@@ -10,6 +10,8 @@
 #         time-slicing), decode's yield off; mps: the same with the yield at its default;
 #         mpsD: MPS, yield off, decode limited to MPS_PCT (default 40) % of the SMs
 #   1b    pd_system 1B, defaults
+#   hops  pd_system 1B with the clients in 1 and CLIENT_PROCS (4) processes, 8B with 4: where
+#         the gaps open (decode's and the gateway's ITL beside the client's)
 #   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
 #   verify the decode loop and the TTFT correction since 0ff17d1: pd_system 1B three times, 8B
 #         once, then lab/gpu_admission.sh at 61.79 req/s (read with python -m lab.admission_replay)
@@ -44,9 +46,16 @@ for s in ${STAGES:-auto wide}; do
     kills) OUT=$OUT VMM_KILLS=50 bash lab/gpu_system.sh vmm ;;
     1b) PD_TAG=_auto OUT=$OUT MODELS=dummy:llama-3.2-1b YIELD_RATIOS=default PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
     verify)
+      [ "${VERIFY_ADM_FIRST:-0}" = 1 ] && OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh
       for i in $(seq ${VERIFY_N:-3}); do PD_TAG=_verify$i OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd; done
       [ "${VERIFY_8B:-1}" = 1 ] && PD_TAG=_verify OUT=$OUT MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd
-      OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh ;;
+      [ "${VERIFY_ADM_FIRST:-0}" = 1 ] || OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh ;;
+    hops)  # 1B with the client in one process, then spread over CLIENT_PROCS; 8B spread
+      for cp in 1 ${CLIENT_PROCS:-4}; do
+        PD_TAG=_cp$cp PD_ARGS="--client-procs $cp" OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
+      done
+      [ "${HOPS_8B:-1}" = 1 ] && PD_TAG=_cp${CLIENT_PROCS:-4} PD_ARGS="--client-procs ${CLIENT_PROCS:-4}" OUT=$OUT \
+        MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd ;;
     lean)  # the admission run first (the live TTFT error), then the 1B once
       OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh
       PD_TAG=_lean OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;

@@ -5,7 +5,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-lab/results}
-pip install -q --no-deps .whl_nixl/*.whl 2>&1 | tail -2
+python -m pip install -q --no-deps .whl_nixl/*.whl 2>&1 | tail -2
+# the service wheels (grpc_reflection, ...) that lab/gpu_system.sh put in /tmp/site on this machine
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python -c "from kvtransfer.backends.nixl_probe import nixl_api; nixl_api(); print('nixl imports')" || exit 1
 python -c "import nixl_cu13, os; print(os.path.dirname(nixl_cu13.__file__))" 2>/dev/null
 for tls in "" "cuda_ipc,cuda_copy,sm,self" "cuda_copy,sm,self" "cuda_copy,tcp,self"; do
