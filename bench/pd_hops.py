@@ -1,31 +1,85 @@
-"""Where a stream's inter-token gaps open: the mean gap each hop measured over one case, from
-its own ITL histogram (decode: between the engine outputs it hands on; gateway: between the
-tokens it sends), beside the client's (bench.pd_clients.trace_stats). Equal means at decode and
-at the client put the time in the engine; a jump between two hops puts it in the later one."""
+"""Where a stream's time goes under load, hop by hop:
+- the mean inter-token gap each hop measured over one case, from its own ITL histogram (decode:
+  between the engine outputs it hands on; gateway: between the tokens it sends), beside the
+  client's (bench.pd_clients.trace_stats): equal means at decode and at the client put the time
+  in the engine; a jump between two hops puts it in the later one;
+- each process's CPU over the case as a share of one core: a Python service near 1.0 is
+  bound by its event loop (the GIL), whatever the GPU could do.
+"""
 from __future__ import annotations
+
+import os
+import time
 
 from bench.pd_clients import scrape_metrics
 
 _ITL = "splitserve_inter_token_latency_seconds"
+ROLES = {"gateway": "gateway", "prefill": "prefill_svc", "decode": "decode_svc"}
 
 
-def snapshot(urls: dict[str, str]) -> dict[str, float]:
-    """{hop: metrics url} -> {'hop:series': value} of each hop's ITL sum and count."""
-    out = {}
+def snapshot(urls: dict[str, str], pids: dict[str, int] | None = None) -> dict[str, float]:
+    """{hop: metrics url} -> {'hop:series': value} of each hop's ITL sum and count; with pids
+    ({role: pid}) also 'cpu_s:role' (CPU seconds so far) and 't' (monotonic seconds)."""
+    out = {"t": time.monotonic()}
     for hop, url in urls.items():
         for k, v in scrape_metrics(url, _ITL + "_(?:sum|count)").items():
             out[f"{hop}:{k}"] = v
+    for role, pid in (pids or {}).items():
+        s = cpu_seconds(pid)
+        if s is not None:
+            out[f"cpu_s:{role}"] = s
     return out
 
 
 def itl_means(before: dict, after: dict) -> dict[str, float]:
-    """{'<hop>_itl_ms_mean': mean gap in ms over the case} for each hop that saw gaps."""
+    """{'<hop>_itl_ms_mean': mean gap in ms over the case} for each hop that saw gaps, and
+    {'<role>_cpu_share': CPU seconds / wall seconds} for each process snapshot measured."""
     out = {}
-    hops = {k.split(":", 1)[0] for k in after}
+    hops = {k.split(":", 1)[0] for k in after if _ITL in k}
     for hop in sorted(hops):
         d = {k.split(":", 1)[1]: after[k] - before.get(k, 0.0) for k in after if k.startswith(hop + ":")}
         s = sum(v for k, v in d.items() if k.startswith(_ITL + "_sum"))
         n = sum(v for k, v in d.items() if k.startswith(_ITL + "_count"))
         if n > 0:
             out[f"{hop}_itl_ms_mean"] = s / n * 1e3
+    wall = after.get("t", 0.0) - before.get("t", 0.0)
+    for k in after:
+        if k.startswith("cpu_s:") and k in before and wall > 0:
+            out[f"{k[6:]}_cpu_share"] = (after[k] - before[k]) / wall
+    return out
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads); None where /proc can't say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def service_pids(root: int) -> dict[str, int]:
+    """{role: pid} of the services under process root (`splitserve up`), by their module name
+    on the command line; {} where /proc is absent."""
+    out: dict[str, int] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+        for k in kids:
+            try:
+                with open(f"/proc/{k}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            for role, module in ROLES.items():
+                if module.encode() in argv:
+                    out.setdefault(role, k)
+            todo.append(k)
+    out["client"] = os.getpid()
     return out

@@ -40,7 +40,7 @@ import time
 
 from bench.client_pool import ClientPool
 from bench.common import print_table, write_result
-from bench.pd_hops import itl_means, snapshot
+from bench.pd_hops import itl_means, service_pids, snapshot
 from bench.pd_clients import (free_port, kv_delta, model_info, percentile, random_prompts,
                                run_engine, run_system, scrape, stop_process, trace_stats,
                                wait_up)
@@ -239,9 +239,13 @@ def system_side(a, e, engine_argv: list[str]) -> tuple[dict, str]:
             return asyncio.run(run_system(a.api, addr, info.model, prompts, max_tokens, lp))
 
         hops = {"decode": f"http://127.0.0.1:{mports[1]}", "gateway": rest}
+        pids = service_pids(up.pid)
+        if pool is not None:  # the client's share is its workers'
+            pids.pop("client")
         try:
             res = run_cases(run, a, info.vocab_size, info.max_model_len, e.seed, "whole system",
-                            probe=lambda: {**scrape(mports[0]), **scrape(mports[1]), **snapshot(hops)})
+                            probe=lambda: {**scrape(mports[0]), **scrape(mports[1]),
+                                           **snapshot(hops, pids)})
         finally:
             if pool is not None:
                 pool.close()
@@ -300,6 +304,8 @@ def build_rows(eng: dict, sysr: dict, a) -> list[dict]:
              ("ITL mean at the client, ms (load)", "load", "itl_ms_mean", "time"),
              ("ITL mean at the gateway, ms (load; its ITL histogram)", "hops", "gateway_itl_ms_mean", None),
              ("ITL mean at decode, ms (load; its ITL histogram)", "hops", "decode_itl_ms_mean", None),
+             *((f"{r} CPU, share of one core (load)", "hops", f"{r}_cpu_share", None)
+               for r in ("client", "gateway", "prefill", "decode")),
              (f"TPOT logprobs off ({a.lp_batch} req), ms", "lp_off", "tpot_ms", "time"),
              (f"TPOT logprobs on ({a.lp_batch} req), ms", "lp_on", "tpot_ms", "time"),
              ("client messages per token (load; < 1: gaps are per message)", "load",

@@ -134,7 +134,8 @@ def test_cpu_run_fills_both_columns(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "bench.pd_system", "--model", "default", "--device", "cpu",
          "--clients", "4", "--prompt-len", "32", "--max-tokens", "16", "--ttft-prompts", "16,64",
-         "--reps", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+         "--reps", "2", "--client-procs", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "engine alone" in out.stdout and "whole system" in out.stdout
     assert "4 clients: output tok/s" in out.stdout and "error:" not in out.stdout, out.stdout
@@ -151,3 +152,6 @@ def test_cpu_run_fills_both_columns(tmp_path):
         assert r["load"]["itl_ms_p99"] >= r["load"]["itl_ms_median"] > 0
         assert r["lp_off"]["tpot_ms"] > 0 and r["lp_on"]["tpot_ms"] > 0
     assert res["system"]["kv"]["bytes_per_request"] > 0 and res["system"]["kv"]["backend"] == "shm"  # auto on one host
+    hops = res["system"]["hops"]  # every hop saw the load's gaps; the clients ran in 2 workers
+    assert hops["decode_itl_ms_mean"] > 0 and hops["gateway_itl_ms_mean"] > 0
+    assert hops["decode_cpu_share"] > 0 and "client_cpu_share" not in hops
