@@ -55,7 +55,12 @@ for s in ${STAGES:-auto wide}; do
         PD_TAG=_cp$cp PD_ARGS="--client-procs $cp" OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
       done
       [ "${HOPS_8B:-1}" = 1 ] && PD_TAG=_cp${CLIENT_PROCS:-4} PD_ARGS="--client-procs ${CLIENT_PROCS:-4}" OUT=$OUT \
-        MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd ;;
+        MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
+      if [ "${HOPS_PROF:-0}" = 1 ] && left; then  # py-spy on each service under the 1B load
+        PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site timeout 150 python3 -m lab.host_profile \
+          --model dummy:llama-3.2-1b --device cuda --clients 64 --prompt-len 512 --window 8 \
+          --out "$OUT/hprof-1b" 2>&1 | grep -v "^\[" | tail -75
+      fi ;;
     lean)  # the admission run first (the live TTFT error), then the 1B once
       OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh
       PD_TAG=_lean OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
