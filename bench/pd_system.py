@@ -358,8 +358,9 @@ def main(argv=None) -> int:
           f"(TTFT: system / (engine + {TTFT_SLACK_MS:.0f} ms))")
     print_table(rows, COLS)
     for k, v in sorted(sysr.items()):  # where the system's first token went (gateway's account)
-        if k.startswith("ttft_") and isinstance(v, dict) and "gateway_ttft_ms_median" in v:
-            print(f"system TTFT {k[5:]} tokens (gateway timings, median ms): " + ", ".join(
+        if (k.startswith("ttft_") or k == "load") and isinstance(v, dict) and "gateway_ttft_ms_median" in v:
+            what = f"{k[5:]} tokens" if k != "load" else f"{a.clients} clients"
+            print(f"system TTFT {what} (gateway timings, median ms): " + ", ".join(
                 f"{p} {v[f'gateway_{p}_ms_median']:.2f}" for p in ("ttft", "queue", "prefill", "transfer")))
     sys.stdout.flush()
     config = {"argv": sys.argv[1:] if argv is None else list(argv), "engine_flags": vars(e),
