@@ -55,35 +55,35 @@ class ManyMixin:
     """Needs Decode (DecodeServicer)."""
 
     async def DecodeMany(self, request_iterator, context):
-        out: asyncio.Queue = asyncio.Queue()
-        tasks: dict[str, asyncio.Task] = {}
         loop = asyncio.get_running_loop()
+        out = Outbox(loop)
+        tasks: dict[str, asyncio.Task] = {}
 
         async def run_one(req: decode_pb2.DecodeRequest, ctx: _RequestContext) -> None:
             rid = req.request_id
             try:
                 async for resp in self.Decode(req, ctx):
-                    out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
+                    out.put(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
             except RequestAborted as e:
-                out.put_nowait(_error(rid, e.code, e.details))
+                out.put(_error(rid, e.code, e.details))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - this request's failure, not the call's
                 log.exception("decode of %s failed", rid)
-                out.put_nowait(_error(rid, grpc.StatusCode.INTERNAL, f"decode failed: {e}"))
+                out.put(_error(rid, grpc.StatusCode.INTERNAL, f"decode failed: {e}"))
             finally:
                 if tasks.get(rid) is asyncio.current_task():
                     del tasks[rid]
-                out.put_nowait(None)  # wakes the writer: the call may be over
+                out.put(None)  # wakes the writer: the call may be over
 
         def start(st: decode_pb2.DecodeManyStart) -> None:
             rid = st.request.request_id
             if rid in tasks:
-                out.put_nowait(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                out.put(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
                                       f"request {rid!r} is already running on this call"))
                 return
             def emit(msg, rid=rid) -> None:  # built into the writer's batch (_batch)
-                out.put_nowait((rid, msg))
+                out.put((rid, msg))
 
             ctx = _RequestContext(context, dict(st.trace_context), emit)
             # NOTE: a fresh contextvars context: its spans continue the request's own trace,
@@ -98,15 +98,12 @@ class ManyMixin:
                     t = tasks.pop(rid, None)
                     if t is not None:
                         t.cancel()  # as a cancelled Decode call: aborts the request
-            out.put_nowait(None)
+            out.put(None)
 
         reader = loop.create_task(read())
         try:
             while True:
-                items = [await out.get()]
-                while not out.empty():
-                    items.append(out.get_nowait())
-                batch = _batch(items)
+                batch = _batch(await out.take())
                 if batch is not None:
                     yield batch
                 if reader.done() and not tasks:
@@ -116,6 +113,36 @@ class ManyMixin:
             reader.cancel()
             for t in list(tasks.values()):
                 t.cancel()
+
+
+class Outbox:
+    """What the call's requests produced since the writer last took it: put() appends (on the
+    loop: the step's sinks, the request tasks), take() waits for something and returns it all.
+    A list and one future a wake-up, not an asyncio.Queue: a 64-row step puts 64 entries, and a
+    queue's put/get pair costs about a microsecond each on the loop the engine thread shares the
+    GIL with (`python -m lab.decode_stream_probe --mode batched`)."""
+
+    __slots__ = ("items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.items: list = []
+        self._loop, self._waiter = loop, None
+
+    def put(self, entry) -> None:
+        self.items.append(entry)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self) -> list:
+        while not self.items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 def _batch(entries: list) -> decode_pb2.DecodeManyBatch | None:
@@ -132,11 +159,19 @@ def _batch(entries: list) -> decode_pb2.DecodeManyBatch | None:
             continue
         if type(e) is tuple:
             rid, msg = e
+            prev = last.get(rid)
+            if (prev is None and type(msg) is tuple
+                    and not (msg[1] or msg[2] or msg[3] or msg[4] or msg[5])):
+                # the common entry: a plain step (is_plain, inlined) of a request new to the batch
+                it = last[rid] = add(request_id=rid)
+                r = it.response
+                r.token_ids.extend(msg[0])
+                r.num_generated = msg[6]
+                continue
             fields = msg if type(msg) is tuple else None
             plain = fields is not None and is_plain(fields)
             if not plain and fields is not None:
                 msg = response(*fields)
-            prev = last.get(rid)
             if prev is not None and _open(prev):
                 if plain:
                     _put_plain(prev.response, fields)

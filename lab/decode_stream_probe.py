@@ -19,7 +19,7 @@ import threading
 import time
 
 from common.metrics import get_metrics
-from decode_svc.many import _batch
+from decode_svc.many import Outbox, _batch
 from decode_svc.streaming import StreamingMixin
 from engine.async_engine import AsyncEngine
 from engine.request import RequestOutput
@@ -77,7 +77,9 @@ async def one_round(rows: int, step_ms: float, tokens: int, mode: str = "stream"
     eng = AsyncEngine(engine=fake)
     await eng.start()
     svc = Streams(eng)
-    out: asyncio.Queue = asyncio.Queue()
+    # batched: DecodeMany's own outbox; stream: a queue, as its run_one tasks had
+    out = Outbox(asyncio.get_running_loop()) if mode == "batched" else asyncio.Queue()
+    put = out.put if mode == "batched" else out.put_nowait
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
     msgs = [0]
 
@@ -85,18 +87,21 @@ async def one_round(rows: int, step_ms: float, tokens: int, mode: str = "stream"
         rid = f"r{i}"
         req = decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[1, 2, 3], first_token_id=7)
         if mode == "batched":
-            await svc._stream_batched(rid, req, params, 0.0, lambda msg: out.put_nowait((rid, msg)))
+            await svc._stream_batched(rid, req, params, 0.0, lambda msg: put((rid, msg)))
         else:
             async for resp in svc._stream(rid, req, params, 0.0):
-                out.put_nowait(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
-        out.put_nowait(None)
+                put(decode_pb2.DecodeManyItem(request_id=rid, response=resp))
+        put(None)
 
     async def writer():
         ended = 0
         while ended < rows:
-            items = [await out.get()]
-            while not out.empty():
-                items.append(out.get_nowait())
+            if mode == "batched":
+                items = await out.take()
+            else:
+                items = [await out.get()]
+                while not out.empty():
+                    items.append(out.get_nowait())
             ended += sum(1 for x in items if x is None)
             batch = _batch(items)  # DecodeMany's own writer
             if batch is not None:
