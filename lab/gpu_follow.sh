@@ -12,6 +12,7 @@
 #   1b    pd_system 1B, defaults
 #   hops  pd_system 1B with the clients in 1 and CLIENT_PROCS (4) processes, 8B with 4: where
 #         the gaps open (decode's and the gateway's ITL beside the client's)
+#   sweep1b  lab.serve_sweep for the 1B (SLO 250 / 25 ms): issue 24's sweep, the whole call
 #   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
 #   verify the decode loop and the TTFT correction since 0ff17d1: pd_system 1B three times, 8B
 #         once, then lab/gpu_admission.sh at 61.79 req/s (read with python -m lab.admission_replay)
@@ -61,6 +62,13 @@ for s in ${STAGES:-auto wide}; do
           --model dummy:llama-3.2-1b --device cuda --clients 64 --prompt-len 512 --window 8 \
           --out "$OUT/hprof-1b" 2>&1 | grep -v "^\[" | tail -75
       fi ;;
+    sweep1b)  # issue 24's sweep for the 1B (0.25x-3x of its searched peak, with and without
+      # admission, the mixed trace split / auto, colocated): a whole call
+      [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      SPLITSERVE_BENCH_DIR=$OUT OTEL_TRACES_EXPORTER=none timeout 590 python3 -m lab.serve_sweep \
+        --model dummy:llama-3.2-1b --ttft-ms ${SWEEP_TTFT_MS:-250} --tpot-ms ${SWEEP_TPOT_MS:-25} \
+        --deadline-s ${SWEEP_DEADLINE_S:-560} 2>&1 | grep -v "^\[" | tail -40 ;;
     lean)  # the admission run first (the live TTFT error), then the 1B once
       OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh
       PD_TAG=_lean OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd ;;
