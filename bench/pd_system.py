@@ -41,7 +41,8 @@ import time
 from bench.client_pool import ClientPool
 from bench.common import print_table, write_result
 from bench.pd_hops import itl_means, service_pids, snapshot
-from bench.pd_table import COLS, TTFT_SLACK_MS, add_derived, build_rows, fmt, ratio  # noqa: F401 (re-exported)
+from bench.pd_table import (COLS, TTFT_SLACK_MS, add_derived, build_rows, fmt,  # noqa: F401
+                             ratio)  # fmt, ratio: re-exported
 from bench.pd_clients import (free_port, kv_delta, model_info, percentile, random_prompts,
                                run_engine, run_system, scrape, stop_process, trace_stats,
                                wait_up)

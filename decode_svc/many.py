@@ -80,7 +80,7 @@ class ManyMixin:
             rid = st.request.request_id
             if rid in tasks:
                 out.put(_error(rid, grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"request {rid!r} is already running on this call"))
+                               f"request {rid!r} is already running on this call"))
                 return
             def emit(msg, rid=rid) -> None:  # built into the writer's batch (_batch)
                 out.put((rid, msg))
