@@ -165,6 +165,16 @@ class KVCacheManager:
         held = len(self._tables.get(req.request_id, ()))
         return self.blocks_for(req.num_computed_tokens + num_new_tokens) - held
 
+    def blocks_needed_total(self, items) -> int:
+        """Sum over (request, new tokens) pairs of the blocks allocate would take for each
+        (blocks_needed's positive parts), in one pass (engine/overlap.py: every running row)."""
+        bs, tables, need = self.block_size, self._tables, 0
+        for req, n in items:
+            k = -(-(req.num_computed_tokens + n) // bs) - len(tables.get(req.request_id, ()))
+            if k > 0:
+                need += k
+        return need
+
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow the block table to cover req.num_computed_tokens + num_new_tokens tokens.
         All-or-nothing: on False nothing changed."""

@@ -131,9 +131,12 @@ class FollowPlan:
     ahead: dict[int, ScheduledSeq]
     ends: set[int]
 
+    def __post_init__(self):
+        # tokens_ahead is read several times a row a step: one dict lookup, no attribute
+        self.n_ahead = {k: s.num_tokens for k, s in self.ahead.items()}
+
     def tokens_ahead(self, req: Request) -> int:
-        a = self.ahead.get(id(req))
-        return a.num_tokens if a is not None else 0
+        return self.n_ahead.get(id(req), 0)
 
     def remaining_of(self, req: Request) -> int:
         a = self.ahead.get(id(req))
@@ -183,9 +186,8 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
     left = [(r, plan.remaining_of(r)) for r in sched.running]
     if all(n <= 1 for _, n in left) and len(left) <= sched.cfg.max_num_batched_tokens:
         # decode rows only: the running phase gives each request not ending one token
-        for r, n in left:
-            if n:
-                count(r, 1)
+        n_ahead = plan.n_ahead
+        need = kv.blocks_needed_total((r, n_ahead.get(id(r), 0) + 1) for r, n in left if n)
         return plan if need <= kv.num_free_blocks else None
     dry = SchedulerOutput()
     sched.schedule_running(dry, sched.cfg.max_num_batched_tokens, plan.remaining_of, count)
@@ -221,7 +223,7 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
     for s in out.scheduled:
         r = s.req
         a = plan.ahead.get(id(r))
-        start = r.num_computed_tokens + plan.tokens_ahead(r)
+        start = r.num_computed_tokens + (a.num_tokens if a is not None else 0)
         if a is not None and a.sample:  # a decode row: its input is prev's token, on the device
             rows.append(StepInput(r.request_id, [0], start, kv.block_ids(r.request_id), True))
             tok_reqs.append(r)

@@ -275,20 +275,22 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, stop finished requests (freeing their
         blocks unless prefill_only) and register newly full blocks. Returns the finished ones."""
         finished: list[Request] = []
+        running, cache_full_blocks = RequestStatus.RUNNING, self.kv.cache_full_blocks
         for s in out.scheduled:
             req = s.req
-            if req.finished or req.status != RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # aborted / finished between schedule() and update()
             req.num_computed_tokens += s.num_tokens
             status = None
             if s.sample:
-                if req.request_id not in sampled:
+                tok = sampled.get(req.request_id)
+                if tok is None:
                     raise KeyError(f"no sampled token for request {req.request_id!r}")
-                req.output_token_ids.append(int(sampled[req.request_id]))
+                req.output_token_ids.append(int(tok))
                 if req.grammar is not None:
                     req.grammar.accept(req.output_token_ids[-1])
                 status = self._check_stop(req)
-            self.kv.cache_full_blocks(req)
+            cache_full_blocks(req)
             if status is not None:
                 self._remove(req)
                 req.status = status

@@ -202,3 +202,20 @@ def test_random_mix_never_leaks():
     kv.pool.check()
     assert kv.num_free_blocks == 40 and kv.usage == 0.0
     assert kv.stats()["prefix_hits"] > 0
+
+
+def test_blocks_needed_total_is_the_sum_of_each_rows_positive_need():
+    kv = KVCacheManager(64, BS, enable_prefix_caching=False)
+    rng = random.Random(3)
+    reqs = []
+    for i in range(12):
+        r = _req(f"r{i}", list(range(rng.randrange(1, 30))))
+        if i % 3:  # some hold blocks already, computed up to a block edge or inside one
+            assert kv.allocate(r, r.num_tokens)
+            r.num_computed_tokens = r.num_tokens - rng.randrange(0, 3)
+        reqs.append(r)
+    for n in (0, 1, 3, BS + 1):
+        items = [(r, n + i % 2) for i, r in enumerate(reqs)]
+        want = sum(max(0, kv.blocks_needed(r, k)) for r, k in items)
+        assert kv.blocks_needed_total(iter(items)) == want
+    assert kv.blocks_needed_total([]) == 0
