@@ -239,11 +239,18 @@ class Engine(DisaggregationMixin):
             if rid not in live:
                 continue
             done = rid in finished or r.finished
+            lps = [r.output_logprobs[-1]] if r.params.logprobs is not None else []
             first = len(r.output_token_ids) == 1 and r.scheduled_time is not None
+            if not done and not first:  # most rows of a step: a running request's next token
+                # NOTE: positional (half the cost of keywords, once a row a step): request_id,
+                # new_token_ids, finished, finish_reason, logprobs, num_prompt_tokens,
+                # num_cached_tokens
+                outputs.append(RequestOutput(rid, [sampled[rid]], False, None, lps,
+                                             len(r.prompt_token_ids), r.num_cached_tokens))
+                continue
             outputs.append(RequestOutput(
                 rid, [sampled[rid]], finished=done,
-                finish_reason=r.status.value if done else None,
-                logprobs=[r.output_logprobs[-1]] if r.params.logprobs is not None else [],
+                finish_reason=r.status.value if done else None, logprobs=lps,
                 num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens,
                 block_ids=self.kv.block_ids(rid) if done and r.prefill_only else None,
                 queue_s=r.scheduled_time - r.arrival_time if first else None,
