@@ -1,7 +1,7 @@
 """The engine thread's host work a decode step, outside the model: Engine.step() wall time
 minus the model's forward (ModelRunner._eager_logits), on CPU with the tiny random Llama, ROWS
-running requests, overlapped decode on (the GPU default; its scheduling, block and output
-bookkeeping are the GPU path's own) or off. On a GPU this host work must fit under the step's
+running requests, prefix caching on and overlapped decode on (the GPU default; its
+scheduling, block and output bookkeeping are the GPU path's own) or off. On a GPU this host work must fit under the step's
 kernels, beside the decode service's event loop (python -m lab.decode_stream_probe).
 
     python -m lab.engine_host_probe [--rows 64] [--steps 400] [--rounds 3] [--overlap on|off]
@@ -21,7 +21,7 @@ def one_round(rows: int, steps: int, overlap: bool) -> float:
 
     eng = Engine(EngineConfig(
         model=ModelConfig("dummy:tiny-llama", dtype="fp32", max_model_len=2048),
-        cache=CacheConfig(num_blocks=rows * (2048 // 16 + 1), enable_prefix_caching=False),
+        cache=CacheConfig(num_blocks=rows * (2048 // 16 + 1), enable_prefix_caching=True),
         device=DeviceConfig(device="cpu"), scheduler=SchedulerConfig(async_scheduling=overlap)))
     runner = eng.runner
     model_s = [0.0]
@@ -37,7 +37,7 @@ def one_round(rows: int, steps: int, overlap: bool) -> float:
     runner._eager_logits = timed
     params = SamplingParams(max_tokens=steps + 50, ignore_eos=True, temperature=0.0)
     for i in range(rows):
-        eng.add_request(f"r{i}", list(range(10, 138)), params)
+        eng.add_request(f"r{i}", list(range(10 + i, 138 + i)), params)  # no shared prefix
     for _ in range(10):  # the prompts' prefill and the first decode steps
         eng.step()
     host = []
