@@ -12,6 +12,7 @@ import os
 import time
 
 from bench.pd_clients import scrape_metrics
+from bench.procfs import cmdline, cpu_seconds, descendants
 
 _ITL = "splitserve_inter_token_latency_seconds"
 ROLES = {"gateway": "gateway", "prefill": "prefill_svc", "decode": "decode_svc"}
@@ -49,37 +50,14 @@ def itl_means(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process (all its threads); None where /proc can't say."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def service_pids(root: int) -> dict[str, int]:
     """{role: pid} of the services under process root (`splitserve up`), by their module name
-    on the command line; {} where /proc is absent."""
+    on the command line (`python -m decode_svc ...`), and 'client': this process."""
     out: dict[str, int] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            continue
-        for k in kids:
-            try:
-                with open(f"/proc/{k}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            for role, module in ROLES.items():
-                if module.encode() in argv:
-                    out.setdefault(role, k)
-            todo.append(k)
+    for pid in descendants(root):
+        argv = cmdline(pid)
+        for role, module in ROLES.items():
+            if module in argv:
+                out.setdefault(role, pid)
     out["client"] = os.getpid()
     return out

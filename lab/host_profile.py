@@ -21,37 +21,10 @@ import threading
 import time
 
 from bench.pd_clients import free_port, grpc_one, model_info, random_prompts, stop_process, wait_up
+from bench.pd_hops import service_pids
+from bench.procfs import cpu_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROLES = {"gateway": "gateway", "prefill_svc": "prefill", "decode_svc": "decode"}
-
-
-def children(pid: int) -> dict[str, int]:
-    """Role -> pid of `up`'s service processes (by their command line)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            cmd = open(f"/proc/{d}/cmdline").read().replace("\0", " ")
-        except OSError:
-            continue
-        if ppid != pid:
-            continue
-        for key, role in ROLES.items():
-            if f"-m {key}" in cmd or f"{key}/" in cmd or f" {key} " in cmd:
-                out[role] = int(d)
-    return out
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        v = f.read().rsplit(")", 1)[1].split()
-    return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def summarize(raw_path: str, top: int) -> tuple[list, list, int]:
     """py-spy raw (collapsed) stacks -> (top self, top inclusive, samples)."""
     self_t, incl = collections.Counter(), collections.Counter()
@@ -125,7 +98,7 @@ def main(argv=None) -> int:
     up = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     try:
         _, grpc_addr = wait_up(up, log_path, 900)
-        procs = children(up.pid)
+        procs = {r: p for r, p in service_pids(up.pid).items() if r != "client"}
         info = model_info(grpc_addr)
         prompts = random_prompts(a.clients * 4, a.prompt_len, info.vocab_size, 1)
         stop, stats = threading.Event(), {"tokens": 0, "requests": 0}
@@ -133,7 +106,7 @@ def main(argv=None) -> int:
                               daemon=True)
         th.start()
         time.sleep(a.warmup)
-        c0 = {r: cpu_s(p) for r, p in procs.items()}
+        c0 = {r: cpu_seconds(p) for r, p in procs.items()}
         tok0, t0 = stats["tokens"], time.monotonic()
         spies = {r: subprocess.Popen(["py-spy", "record", "-p", str(p), "-d", str(int(a.window)),
                                       "-r", str(a.rate), "-f", "raw", "--nonblocking",
@@ -144,7 +117,7 @@ def main(argv=None) -> int:
             s.wait()
         dt = time.monotonic() - t0
         tok_s = (stats["tokens"] - tok0) / dt
-        cores = {r: (cpu_s(p) - c0[r]) / dt for r, p in procs.items()}
+        cores = {r: (cpu_seconds(p) - c0[r]) / dt for r, p in procs.items()}
         stop.set()
         th.join(timeout=120)
         print(f"load: {a.clients} clients, {a.prompt_len} in, {a.max_tokens} out: "

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-TICK = os.sysconf("SC_CLK_TCK")
+from bench.procfs import TICK, children_by_parent, cpu_seconds
 
 
 def busy_s() -> float:
@@ -24,29 +24,15 @@ def busy_s() -> float:
     return (sum(f[:8]) - f[3] - f[4]) / TICK  # user nice system idle iowait irq softirq steal
 
 
-def children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
 def tree_cpu(roots: list[int], seen: dict[int, float]) -> None:
     """Record utime + stime (s) of each live process under `roots` into `seen` (kept at its
     latest value, so a process that exits mid-run counts up to its last sample)."""
-    kids, todo = children(), list(roots)
+    kids, todo = children_by_parent(), list(roots)
     while todo:
         p = todo.pop()
-        try:
-            f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            seen[p] = (int(f[11]) + int(f[12])) / TICK
-        except (OSError, IndexError, ValueError):
-            pass
+        s = cpu_seconds(p)
+        if s is not None:
+            seen[p] = s
         todo += kids.get(p, [])
 
 

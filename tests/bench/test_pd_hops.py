@@ -10,7 +10,8 @@ import time
 import pytest
 
 from bench.client_pool import split
-from bench.pd_hops import cpu_seconds, itl_means, service_pids
+from bench.pd_hops import itl_means, service_pids
+from bench.procfs import cpu_seconds
 
 _ITL = "splitserve_inter_token_latency_seconds"
 
