@@ -71,12 +71,7 @@ def trace_stats(traces: list[Trace]) -> dict:
     tpots = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1]
     t0, t1 = min(t.t_send for t in done), max(ts[-1] for ts in times)
     n = sum(len(ts) for ts in times)
-    parts = {}  # the gateway's account of the first tokens (gRPC API), medians over requests
-    for k in ("ttft_ms", "queue_ms", "prefill_ms", "transfer_ms"):
-        xs = [t.timings[k] for t in done if t.timings and k in t.timings]
-        if xs:
-            parts[f"gateway_{k}_median"] = percentile(xs, 50)
-    return {**parts, "requests": len(traces), "completed": len(done), "tokens": n,
+    return {**gateway_medians(done), "requests": len(traces), "completed": len(done), "tokens": n,
             "messages": sum(len(t.events) for t in done),  # < tokens: some came several at once
             "wall_s": t1 - t0, "tok_s": n / (t1 - t0) if t1 > t0 else float("nan"),
             "ttft_ms_median": percentile([ts[0] - t.t_send for t, ts in zip(done, times)], 50) * 1e3,
@@ -85,6 +80,14 @@ def trace_stats(traces: list[Trace]) -> dict:
             "itl_ms_mean": sum(gaps) / len(gaps) * 1e3 if gaps else float("nan"),
             "itl_after_first_ms_median": percentile(late, 50) * 1e3,
             "itl_after_first_ms_p99": percentile(late, 99) * 1e3, "itl_after_first_gaps": len(late)}
+
+
+def gateway_medians(traces: list[Trace]) -> dict[str, float]:
+    """The gateway's account of the first tokens (gRPC API: ttft, queue, prefill, transfer ms),
+    {'gateway_<part>_median': median over the traces that carry it}."""
+    parts = [t.timings for t in traces if t.timings]
+    return {f"gateway_{k}_median": percentile([p[k] for p in parts if k in p], 50)
+            for k in (parts[0] if parts else {})}
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

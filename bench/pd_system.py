@@ -43,9 +43,9 @@ from bench.common import print_table, write_result
 from bench.pd_hops import itl_means, service_pids, snapshot
 from bench.pd_table import (COLS, TTFT_SLACK_MS, add_derived, build_rows, fmt,  # noqa: F401
                              ratio)  # fmt, ratio: re-exported
-from bench.pd_clients import (free_port, kv_delta, model_info, percentile, random_prompts,
-                               run_engine, run_system, scrape, stop_process, trace_stats,
-                               wait_up)
+from bench.pd_clients import (free_port, gateway_medians, kv_delta, model_info, percentile,
+                               random_prompts, run_engine, run_system, scrape, stop_process,
+                               trace_stats, wait_up)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_KV_BYTES = 16 << 30
@@ -133,16 +133,11 @@ def run_cases(run, a, vocab: int, max_model_len: int, seed: int, side: str, prob
         guarded(lambda: run(random_prompts(1, n, vocab, seed + 2 + i), 2, None))
 
     def ttft(n: int, s: int) -> dict:
-        ms, parts = [], []
-        for r in range(a.reps):
-            tr = run(random_prompts(1, n, vocab, s * 1000 + r), 2, None)[0]
-            ms.append((tr.events[0][0] - tr.t_send) * 1e3)
-            if tr.timings:
-                parts.append(tr.timings)
-        out = {"ms_median": percentile(ms, 50), "samples_ms": [round(x, 3) for x in ms]}
-        for k in (parts[0] if parts else {}):  # the gateway's breakdown (system, gRPC API)
-            out[f"gateway_{k}_median"] = percentile([p[k] for p in parts], 50)
-        return out
+        trs = [run(random_prompts(1, n, vocab, s * 1000 + r), 2, None)[0] for r in range(a.reps)]
+        ms = [(tr.events[0][0] - tr.t_send) * 1e3 for tr in trs]
+        # the gateway's breakdown (system, gRPC API)
+        return {"ms_median": percentile(ms, 50), "samples_ms": [round(x, 3) for x in ms],
+                **gateway_medians(trs)}
 
     before = guarded(probe) if probe else None
     for i, n in enumerate(lens):

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from bench import pd_system as ps
-from bench.pd_clients import (Trace, kv_delta, log_reason, parse_sse, percentile, sse_tokens,
-                              trace_stats)
+from bench.pd_clients import (Trace, gateway_medians, kv_delta, log_reason, parse_sse, percentile,
+                              sse_tokens, trace_stats)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,6 +49,14 @@ def test_trace_stats_whole_run_and_after_first_tokens():
     assert s["itl_after_first_ms_median"] == pytest.approx(100.0)
     with pytest.raises(RuntimeError):
         trace_stats([Trace(0.0)])
+
+
+def test_gateway_medians_over_the_traces_that_carry_timings():
+    t = [Trace(0.0, [(1.0, 1)], {"ttft_ms": v, "queue_ms": v / 10}) for v in (30.0, 10.0, 20.0)]
+    got = gateway_medians(t + [Trace(0.0, [(1.0, 1)])])  # one without (the engine side's kind)
+    assert got == {"gateway_ttft_ms_median": 20.0, "gateway_queue_ms_median": 2.0}
+    assert gateway_medians([Trace(0.0)]) == {}
+    assert trace_stats(t)["gateway_ttft_ms_median"] == 20.0
 
 
 def test_parse_sse_split_frames_done_comments_crlf():
