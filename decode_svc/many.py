@@ -159,30 +159,21 @@ def _batch(entries: list) -> decode_pb2.DecodeManyBatch | None:
             continue
         if type(e) is tuple:
             rid, msg = e
-            prev = last.get(rid)
-            if (prev is None and type(msg) is tuple
-                    and not (msg[1] or msg[2] or msg[3] or msg[4] or msg[5])):
-                # the common entry: a plain step (is_plain, inlined) of a request new to the batch
-                it = last[rid] = add(request_id=rid)
-                r = it.response
-                r.token_ids.extend(msg[0])
-                r.num_generated = msg[6]
-                continue
             fields = msg if type(msg) is tuple else None
             plain = fields is not None and is_plain(fields)
-            if not plain and fields is not None:
-                msg = response(*fields)
+            prev = last.get(rid)
             if prev is not None and _open(prev):
                 if plain:
                     _put_plain(prev.response, fields)
                 else:
-                    merge_decode_response(prev.response, msg)
+                    merge_decode_response(prev.response,
+                                          msg if fields is None else response(*fields))
                 continue
-            if plain:
+            if plain:  # most entries: a step's token, written into the batch in place
                 it = add(request_id=rid)
                 _put_plain(it.response, fields)
             else:
-                it = add(request_id=rid, response=msg)
+                it = add(request_id=rid, response=msg if fields is None else response(*fields))
         else:
             rid = e.request_id
             prev = last.get(rid)
