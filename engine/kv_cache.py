@@ -120,8 +120,6 @@ class KVCacheManager:
             return
         hashes = self._hashes.setdefault(rid, [])
         done = req.num_computed_tokens if num_computed is None else num_computed
-        if done // self.block_size <= len(hashes):
-            return  # the common decode step: no block completed (n_full below is at most this)
         n_full = min(done, req.num_tokens) // self.block_size
         n_full = min(n_full, len(table))
         if n_full <= len(hashes):
