@@ -1,0 +1,149 @@
+"""Is the decode service's steady inter-token gap set by AsyncEngine's threading (the engine on
+its own thread, outputs delivered to an event loop under one GIL) or by what the service adds
+on top? One process, one engine, the same load three ways, interleaved by round:
+
+  raw     Engine.step() in a loop on the main thread (bench.pd_system's "engine alone")
+  async   AsyncEngine: the engine thread steps, each request's outputs reach an asyncio
+          (uvloop when installed) sink through stream_into (decode_svc's path), sink a no-op
+  async+w the same, the sink doing W microseconds of Python per output (busy loop; the
+          decode service's per request-step work is a few microseconds on CPU)
+
+ROWS requests of PROMPT tokens, MAX_TOKENS out each, all at once; the figure is the median gap
+between a request's tokens after every request has its first (the steady decode step).
+
+    python -m lab.async_decode_probe [--rows 64] [--prompt-len 512] [--max-tokens 128]
+        [--rounds 3] [--work-us 4] [engine flags, default --model dummy:tiny-llama --device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+
+
+def steady_gap_ms(events: dict[str, list[float]]) -> float:
+    """Median gap between consecutive tokens of a request, after the last first token."""
+    t_all = max(ev[0] for ev in events.values())
+    gaps = [b - a for ev in events.values() for a, b in zip(ev, ev[1:]) if a >= t_all]
+    return statistics.median(gaps) * 1e3 if gaps else float("nan")
+
+
+def run_raw(eng, prompts, params) -> dict[str, list[float]]:
+    ev: dict[str, list[float]] = {}
+    for i, p in enumerate(prompts):
+        ev[f"raw{i}-{time.monotonic_ns()}"] = []
+    for rid, p in zip(ev, prompts):
+        eng.add_request(rid, p, params)
+    while eng.has_unfinished():
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids and o.request_id in ev:
+                ev[o.request_id].append(now)
+    return ev
+
+
+class _Sink:
+    def __init__(self, ev: list[float], done: asyncio.Future, work_s: float):
+        self.ev, self.done, self.work_s = ev, done, work_s
+
+    def output(self, out) -> None:
+        now = time.perf_counter()
+        if out.new_token_ids:
+            self.ev.append(now)
+        if self.work_s:
+            end = now + self.work_s
+            while time.perf_counter() < end:
+                pass
+        if out.finished and not self.done.done():
+            self.done.set_result(None)
+
+    def error(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+    def interrupted(self, value) -> None:
+        self.error(RuntimeError("interrupted"))
+
+
+async def run_async(ae, prompts, params, work_s: float) -> dict[str, list[float]]:
+    loop = asyncio.get_running_loop()
+    ev: dict[str, list[float]] = {}
+    regs, dones = [], []
+    for i, p in enumerate(prompts):
+        rid = f"as{i}-{time.monotonic_ns()}"
+        ev[rid] = []
+        done = loop.create_future()
+        dones.append(done)
+        regs.append(await ae.stream_into(rid, _Sink(ev[rid], done, work_s), p, params))
+    try:
+        await asyncio.gather(*dones)
+    finally:
+        for r in regs:
+            r.close()
+    return ev
+
+
+def main(argv=None) -> int:
+    from common.service_args import add_engine_args, engine_config_from_args
+    from engine.async_engine import AsyncEngine
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--work-us", type=float, default=4.0)
+    add_engine_args(ap)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--model" not in argv:
+        argv += ["--model", "dummy:tiny-llama"]
+    if "--device" not in argv:
+        argv += ["--device", "cpu"]
+    a = ap.parse_args(argv)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    eng = Engine(engine_config_from_args(a))
+    vocab = eng.arch.vocab_size
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+
+    def prompts():
+        return [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(a.rows)]
+
+    run_raw(eng, prompts()[:4], params)  # warm-up
+    res: dict[str, list[float]] = {"raw": [], "async": [], f"async+{a.work_us:g}us": []}
+    ae = AsyncEngine(engine=eng)
+
+    async def async_rounds():
+        await ae.start()
+        try:
+            for r in range(a.rounds):
+                # the raw case runs on the engine thread (commands run between steps)
+                res["raw"].append(steady_gap_ms(await ae.call(lambda e: run_raw(e, prompts(), params))))
+                res["async"].append(steady_gap_ms(await run_async(ae, prompts(), params, 0.0)))
+                res[f"async+{a.work_us:g}us"].append(steady_gap_ms(
+                    await run_async(ae, prompts(), params, a.work_us * 1e-6)))
+                print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.3f}" for k, v in res.items()),
+                      flush=True)
+        finally:
+            await ae.stop()
+
+    asyncio.run(async_rounds())
+    print(f"steady inter-token gap, ms (median of {a.rounds} rounds), {a.rows} rows x "
+          f"{a.prompt_len} in x {a.max_tokens} out, {a.model} on {a.device}:")
+    for k, v in res.items():
+        print(f"  {k:<14} {statistics.median(v):8.3f}   rounds {' '.join(f'{x:.3f}' for x in v)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
