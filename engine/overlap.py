@@ -130,6 +130,9 @@ class FollowPlan:
     prompt's KV in place, counts its own)."""
     ahead: dict[int, ScheduledSeq]
     ends: set[int]
+    # a decode-only step: every running request in order with the tokens it has left
+    # (remaining_of: 0 or 1), which is all the running phase needs (follow's fast path)
+    decode_rows: list[tuple[Request, int]] | None = None
 
     def __post_init__(self):
         # tokens_ahead is read several times a row a step: one dict lookup, no attribute
@@ -188,7 +191,10 @@ def plan_follow(prev: Launched, sched: Scheduler) -> FollowPlan | None:
         # decode rows only: the running phase gives each request not ending one token
         n_ahead = plan.n_ahead
         need = kv.blocks_needed_total((r, n_ahead.get(id(r), 0) + 1) for r, n in left if n)
-        return plan if need <= kv.num_free_blocks else None
+        if need > kv.num_free_blocks:
+            return None
+        plan.decode_rows = left
+        return plan
     dry = SchedulerOutput()
     sched.schedule_running(dry, sched.cfg.max_num_batched_tokens, plan.remaining_of, count)
     if not dry.scheduled or need > kv.num_free_blocks:
@@ -218,7 +224,10 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         return True
 
     out = SchedulerOutput()
-    budget = sched.schedule_running(out, sched.cfg.max_num_batched_tokens, plan.remaining_of, allocate)
+    if plan.decode_rows is not None:
+        budget = _decode_rows(out, plan, sched, kv)
+    else:
+        budget = sched.schedule_running(out, sched.cfg.max_num_batched_tokens, plan.remaining_of, allocate)
     rows, tok_reqs, tok_pos, flat = [], [], [], 0
     for s in out.scheduled:
         r = s.req
@@ -265,6 +274,25 @@ def follow(prev: Launched, plan: FollowPlan, sched: Scheduler, seq: int, samplin
         batch.count_pending(src, tokens)  # penalties count that token's value too
     leading = tok_pos == list(range(len(tok_pos)))
     return Launched(out, sample, batch, seq), rows, tokens, None if leading else tok_pos
+
+
+def _decode_rows(out: SchedulerOutput, plan: FollowPlan, sched: Scheduler, kv) -> int:
+    """Scheduler.schedule_running for a decode-only step (plan.decode_rows): the same rows in
+    the same order under the same token budget and max_num_seqs (a request with one token
+    left runs it, whole and sampled; one with none is skipped), without the per-row calls
+    a chunked prompt needs. Returns the budget left."""
+    budget, max_seqs = sched.cfg.max_num_batched_tokens, sched.cfg.max_num_seqs
+    scheduled, n_ahead = out.scheduled, plan.n_ahead
+    for req, n in plan.decode_rows:
+        if budget <= 0 or len(scheduled) >= max_seqs:
+            break
+        if n <= 0:
+            continue
+        if not kv.allocate(req, n_ahead.get(id(req), 0) + 1):
+            raise RuntimeError(f"overlapped step: no block for request {req.request_id!r}")
+        scheduled.append(ScheduledSeq(req, 1, True))
+        budget -= 1
+    return budget
 
 
 def _same(a: list, b: list) -> bool:

@@ -242,3 +242,34 @@ def test_recorded_step_times_are_the_step_cadence():
     while eng.has_unfinished():
         eng.step()
     _no_leak(eng)
+
+
+def test_decode_only_fast_path_schedules_as_the_running_phase():
+    """follow's decode-only path (FollowPlan.decode_rows) gives the rows the scheduler's running
+    phase would, in order, rows ending by length in flight left out."""
+    from engine.overlap import _decode_rows, plan_follow
+    from engine.scheduler import SchedulerOutput
+
+    class NoAlloc:
+        def allocate(self, req, n):
+            return True
+
+    eng = _engine(True, max_num_seqs=8)
+    for i, n in enumerate([3, 5, 9, 12, 20, 6]):
+        eng.add_request(f"r{i}", PROMPTS[i % 4], _greedy(n))
+    checked = skipped = 0
+    while eng.has_unfinished():
+        cur = eng._inflight
+        plan = plan_follow(cur, eng.scheduler) if cur is not None else None
+        if plan is not None and plan.decode_rows is not None:
+            want, got = SchedulerOutput(), SchedulerOutput()
+            eng.scheduler.schedule_running(want, eng.scheduler.cfg.max_num_batched_tokens,
+                                           plan.remaining_of, lambda r, n: True)
+            _decode_rows(got, plan, eng.scheduler, NoAlloc())
+            assert [(s.req.request_id, s.num_tokens, s.sample) for s in got.scheduled] == \
+                   [(s.req.request_id, s.num_tokens, s.sample) for s in want.scheduled]
+            checked += 1
+            skipped += any(n == 0 for _, n in plan.decode_rows)
+        eng.step()
+    assert checked >= 10 and skipped >= 3
+    _no_leak(eng)
