@@ -12,6 +12,8 @@
 #   1b    pd_system 1B, defaults
 #   hops  pd_system 1B with the clients in 1 and CLIENT_PROCS (4) processes, 8B with 4: where
 #         the gaps open (decode's and the gateway's ITL beside the client's)
+#   skinny lab.skinny_default_ab, 1B then 8B: the untuned default (fused at one row, cuBLAS
+#         above) against the fused heuristic up to 16 rows (on an H200: --no-table)
 #   adp   lab.async_decode_probe on the 1B: Engine.step() alone vs AsyncEngine's thread + loop
 #   sweep1b  lab.serve_sweep for the 1B (SLO 250 / 25 ms): issue 24's sweep, the whole call
 #   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
@@ -52,6 +54,11 @@ for s in ${STAGES:-auto wide}; do
       for i in $(seq ${VERIFY_N:-3}); do PD_TAG=_verify$i OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd; done
       [ "${VERIFY_8B:-1}" = 1 ] && PD_TAG=_verify OUT=$OUT MODELS=dummy:llama-3.1-8b PD_TAIL=${PD_TAIL:-30} bash lab/gpu_system.sh pd
       [ "${VERIFY_ADM_FIRST:-0}" = 1 ] || OUT=$OUT RATES=61.79 DURATION=12 timeout 200 bash lab/gpu_admission.sh ;;
+    skinny)
+      NT=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo --no-table)
+      SPLITSERVE_BENCH_DIR=$OUT timeout 240 python3 -m lab.skinny_default_ab --rounds 3 $NT 2>&1 | grep -v "^\[" | tail -12
+      left && SPLITSERVE_BENCH_DIR=$OUT timeout 300 python3 -m lab.skinny_default_ab --model dummy:llama-3.1-8b \
+        --batches 1,4,8,16 --rounds 2 $NT 2>&1 | grep -v "^\[" | tail -10 ;;
     adp) PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site timeout 200 python3 -m lab.async_decode_probe \
            --model dummy:llama-3.2-1b --device cuda --rounds ${ADP_ROUNDS:-3} 2>&1 | grep -v "^\[" | tail -12 ;;
     hops)  # 1B with the client in one process, then spread over CLIENT_PROCS; 8B spread

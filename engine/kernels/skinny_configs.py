@@ -32,10 +32,12 @@ log = logging.getLogger("splitserve.engine.kernels")
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
-# Decode batches up to this many rows use the fused skinny path by default (see
-# DeviceConfig.skinny_gemm_max_batch) where the GPU has no table (measure: python -m
-# lab.skinny_gemm_sweep).
-DEFAULT_MAX_M = 16
+# Where the GPU has no tuned table only one-row steps take the fused path (the heuristic's
+# FMA tiles read the weights at the memory rate); at 2-16 rows the heuristic's tiles lose to
+# cuBLAS by up to 2x in whole steps (an H100: python -m bench.engine_costs --device cuda
+# --batches 1,4,8,32). A tuned table (lab.skinny_gemm_sweep --write-table) replaces this;
+# DeviceConfig.skinny_gemm_max_batch overrides it.
+DEFAULT_MAX_M = 1
 
 
 def table_path(device_name: str, table: str | None = None) -> str:
