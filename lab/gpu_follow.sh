@@ -15,6 +15,7 @@
 #   skinny lab.skinny_default_ab, 1B then 8B: the untuned default (fused at one row, cuBLAS
 #         above) against the fused heuristic up to 16 rows (on an H200: --no-table)
 #   adp   lab.async_decode_probe on the 1B: Engine.step() alone vs AsyncEngine's thread + loop
+#   plan8b lab.plan_gpu for the 8B (issue 27's validation, at this tree: the TTFT parts per request)
 #   sweep1b  lab.serve_sweep for the 1B (SLO 250 / 25 ms): issue 24's sweep, the whole call
 #   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
 #   verify the decode loop and the TTFT correction since 0ff17d1: pd_system 1B three times, 8B
@@ -72,6 +73,12 @@ for s in ${STAGES:-auto wide}; do
           --model dummy:llama-3.2-1b --device cuda --clients 64 --prompt-len 512 --window 8 \
           --out "$OUT/hprof-1b" 2>&1 | grep -v "^\[" | tail -75
       fi ;;
+    plan8b)
+      [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      SPLITSERVE_BENCH_DIR=$OUT OTEL_TRACES_EXPORTER=none timeout 420 python3 -m lab.plan_gpu \
+        --model dummy:llama-3.1-8b --kv-cache-bytes 12884901888 --batches 1,8,32,64 --out $OUT --deadline-s ${PLAN_DEADLINE_S:-400} \
+        2>&1 | grep -v "^\[" | tail -30 ;;
     sweep1b)  # issue 24's sweep for the 1B (0.25x-3x of its searched peak, with and without
       # admission, the mixed trace split / auto, colocated): a whole call
       [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
