@@ -12,7 +12,12 @@ ROWS requests of PROMPT tokens, MAX_TOKENS out each, all at once; the figure is 
 between a request's tokens after every request has its first (the steady decode step).
 
     python -m lab.async_decode_probe [--rows 64] [--prompt-len 512] [--max-tokens 128]
-        [--rounds 3] [--work-us 4] [engine flags, default --model dummy:tiny-llama --device cpu]
+        [--rounds 3] [--work-us 4] [--fake-device-ms MS]
+        [engine flags, default --model dummy:tiny-llama --device cpu]
+
+--fake-device-ms (CPU): each decode step's forward is replaced by its first result and a
+sleep of MS (the GIL released, as while a GPU runs a step): what the loop's work costs the
+engine thread when it is not hidden behind compute of its own.
 """
 from __future__ import annotations
 
@@ -87,6 +92,21 @@ async def run_async(ae, prompts, params, work_s: float) -> dict[str, list[float]
     return ev
 
 
+def fake_device(runner, sleep_s: float) -> None:
+    """Decode-only forwards: the real one's logits once per batch size, then a sleep."""
+    real, seen = runner._eager_logits, {}
+
+    def fake(rows, token_src=None, token_pos=None):
+        if not all(len(r.token_ids) == 1 for r in rows):
+            return real(rows, token_src, token_pos)
+        if len(rows) not in seen:
+            seen[len(rows)] = real(rows, token_src, token_pos)
+        time.sleep(sleep_s)
+        return seen[len(rows)]
+
+    runner._eager_logits = fake
+
+
 def main(argv=None) -> int:
     from common.service_args import add_engine_args, engine_config_from_args
     from engine.async_engine import AsyncEngine
@@ -99,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work-us", type=float, default=4.0)
+    ap.add_argument("--fake-device-ms", type=float, default=0.0)
     add_engine_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--model" not in argv:
@@ -112,6 +133,8 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     eng = Engine(engine_config_from_args(a))
+    if a.fake_device_ms:
+        fake_device(eng.runner, a.fake_device_ms / 1e3)
     vocab = eng.arch.vocab_size
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
