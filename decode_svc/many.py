@@ -15,6 +15,7 @@ import logging
 import grpc
 
 from common.convert import merge_decode_response
+from common.outbox import Outbox
 from decode_svc.stream_state import is_plain, response
 from protos import decode_pb2
 
@@ -113,36 +114,6 @@ class ManyMixin:
             reader.cancel()
             for t in list(tasks.values()):
                 t.cancel()
-
-
-class Outbox:
-    """What the call's requests produced since the writer last took it: put() appends (on the
-    loop: the step's sinks, the request tasks), take() waits for something and returns it all.
-    A list and one future a wake-up, not an asyncio.Queue: a 64-row step puts 64 entries, and a
-    queue's put/get pair costs about a microsecond each on the loop the engine thread shares the
-    GIL with (`python -m lab.decode_stream_probe --mode batched`)."""
-
-    __slots__ = ("items", "_loop", "_waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.items: list = []
-        self._loop, self._waiter = loop, None
-
-    def put(self, entry) -> None:
-        self.items.append(entry)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def take(self) -> list:
-        while not self.items:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        items, self.items = self.items, []
-        return items
 
 
 def _batch(entries: list) -> decode_pb2.DecodeManyBatch | None:

@@ -29,6 +29,7 @@ import grpc
 from common import telemetry
 from common.convert import params_to_pb as request_params_pb
 from common.metrics import ServiceMetrics
+from common.outbox import Outbox
 from common.telemetry import GenAI, SpanKind
 from gateway.admission import AdmissionConfig, Predictor
 from gateway.admission_queue import AdmissionQueue
@@ -36,7 +37,8 @@ from gateway.admit_path import AdmitPath
 from gateway.decode_many import DECODE_SERVICE
 from gateway.downstream import Downstream
 from gateway.routing import PrefixIndex, Replica, ReplicaPool, Route, order_decode
-from gateway.types import FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid, prediction_timings
+from gateway.types import (FINISH_NAMES, GatewayError, GenChunk, GenRequest, invalid, merge_chunks,
+                           prediction_timings)
 
 log = logging.getLogger("splitserve.gateway.core")
 _END = object()  # end of a request's chunk queue
@@ -143,22 +145,23 @@ class GatewayCore(AdmitPath, Downstream):
             raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} "
                                "is in use by a request in flight", param="request_id")
         self._request_ids.add(req.request_id)
-        q: asyncio.Queue = asyncio.Queue()
+        q = Outbox()
         task = asyncio.get_running_loop().create_task(self._run(req, metadata, q))
         try:
             while True:
-                item = await q.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                # NOTE: what queued while the consumer wrote to a slow client leaves as one chunk
+                for item in merge_chunks(await q.take()):
+                    if item is _END:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
         finally:
             self._request_ids.discard(req.request_id)
             if not task.done():
                 task.cancel()
 
-    async def _run(self, req: GenRequest, metadata, q: asyncio.Queue) -> None:
+    async def _run(self, req: GenRequest, metadata, q: Outbox) -> None:
         outcome = "error"
         self.num_active += 1
         self.metrics.running.inc()

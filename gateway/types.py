@@ -68,6 +68,24 @@ class GenChunk:
     timings: dict | None = None  # ttft_ms, queue_ms, prefill_ms, transfer_ms, total_ms (+ prediction_timings)
 
 
+def merge_chunks(items: list) -> list:
+    """A stream's queued items with each run of chunks folded into as few as carry the same
+    content: a plain chunk (tokens and text only) merges into the chunk after it, which keeps
+    its own end, usage and timings; a chunk with timings (the first token's) or an end stays
+    whole, and anything that is not a GenChunk (an error, the end marker) is passed as is."""
+    out: list = []
+    for it in items:
+        prev = out[-1] if out else None
+        if (type(it) is GenChunk and type(prev) is GenChunk and prev.finish_reason is None
+                and prev.usage is None and prev.timings is None):
+            out[-1] = GenChunk(prev.token_ids + it.token_ids, prev.text + it.text,
+                               prev.logprobs + it.logprobs, it.finish_reason, it.stop_reason,
+                               it.usage, it.timings)
+        else:
+            out.append(it)
+    return out
+
+
 def prediction_timings(pred, admitted_s: float) -> dict:
     """Admission's calibrated estimates (before headroom) for a request's timings: compare
     predicted_ttft_ms with ttft_ms - admitted_ms (both from the admit decision)."""

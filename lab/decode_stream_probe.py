@@ -19,7 +19,8 @@ import threading
 import time
 
 from common.metrics import get_metrics
-from decode_svc.many import Outbox, _batch
+from common.outbox import Outbox
+from decode_svc.many import _batch
 from decode_svc.streaming import StreamingMixin
 from engine.async_engine import AsyncEngine
 from engine.request import RequestOutput
