@@ -63,7 +63,7 @@ for s in ${STAGES:-auto wide}; do
     adp) PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site timeout 200 python3 -m lab.async_decode_probe \
            --model dummy:llama-3.2-1b --device cuda --rounds ${ADP_ROUNDS:-3} 2>&1 | grep -v "^\[" | tail -12 ;;
     hops)  # 1B with the client in one process, then spread over CLIENT_PROCS; 8B spread
-      for cp in 1 ${CLIENT_PROCS:-4}; do
+      for cp in ${HOPS_CPS:-1 ${CLIENT_PROCS:-4}}; do
         PD_TAG=_cp$cp PD_ARGS="--client-procs $cp" OUT=$OUT MODELS=dummy:llama-3.2-1b PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
       done
       [ "${HOPS_8B:-1}" = 1 ] && PD_TAG=_cp${CLIENT_PROCS:-4} PD_ARGS="--client-procs ${CLIENT_PROCS:-4}" OUT=$OUT \
