@@ -13,7 +13,7 @@ import asyncio
 class Outbox:
     __slots__ = ("items", "_loop", "_waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.items: list = []
         self._loop, self._waiter = loop, None
 
@@ -23,13 +23,10 @@ class Outbox:
         if w is not None and not w.done():
             w.set_result(None)
 
-    put_nowait = put  # where an asyncio.Queue stood
-
     async def take(self) -> list:
         """Wait for at least one entry; return all of them (oldest first)."""
         while not self.items:
-            loop = self._loop or asyncio.get_running_loop()
-            self._waiter = loop.create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:

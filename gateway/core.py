@@ -145,8 +145,9 @@ class GatewayCore(AdmitPath, Downstream):
             raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} "
                                "is in use by a request in flight", param="request_id")
         self._request_ids.add(req.request_id)
-        q = Outbox()
-        task = asyncio.get_running_loop().create_task(self._run(req, metadata, q))
+        loop = asyncio.get_running_loop()
+        q = Outbox(loop)
+        task = loop.create_task(self._run(req, metadata, q))
         try:
             while True:
                 # NOTE: what queued while the consumer wrote to a slow client leaves as one chunk
@@ -172,22 +173,22 @@ class GatewayCore(AdmitPath, Downstream):
                 async for chunk in self._generate(req, sp, route):
                     if chunk.finish_reason:
                         outcome = chunk.finish_reason
-                    q.put_nowait(chunk)
+                    q.put(chunk)
         except asyncio.CancelledError:
             outcome = "abort"
             raise
         except GatewayError as e:
             outcome = "rejected" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error"
-            q.put_nowait(e)
+            q.put(e)
         except Exception as e:  # noqa: BLE001 - surfaced to the client as INTERNAL
             log.exception("request %s failed", req.request_id)
-            q.put_nowait(GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
+            q.put(GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             route.release_decode()
             route.settle()
             if route.admitted:
                 self.num_admitted -= 1
-            q.put_nowait(_END)
+            q.put(_END)
             self.num_active -= 1
             self.metrics.running.dec()
             self.metrics.requests.labels(outcome=outcome).inc()

@@ -2,7 +2,8 @@
 its own thread, outputs delivered to an event loop under one GIL) or by what the service adds
 on top? One process, one engine, the same load three ways, interleaved by round:
 
-  raw     Engine.step() in a loop on the main thread (bench.pd_system's "engine alone")
+  raw     bench.pd_clients.run_engine (bench.pd_system's "engine alone"), run between the
+          engine thread's steps
   async   AsyncEngine: the engine thread steps, each request's outputs reach an asyncio
           (uvloop when installed) sink through stream_into (decode_svc's path), sink a no-op
   async+w the same, the sink doing W microseconds of Python per output (busy loop; the
@@ -36,19 +37,12 @@ def steady_gap_ms(events: dict[str, list[float]]) -> float:
     return statistics.median(gaps) * 1e3 if gaps else float("nan")
 
 
-def run_raw(eng, prompts, params) -> dict[str, list[float]]:
-    ev: dict[str, list[float]] = {}
-    for i, p in enumerate(prompts):
-        ev[f"raw{i}-{time.monotonic_ns()}"] = []
-    for rid, p in zip(ev, prompts):
-        eng.add_request(rid, p, params)
-    while eng.has_unfinished():
-        outs = eng.step()
-        now = time.perf_counter()
-        for o in outs:
-            if o.new_token_ids and o.request_id in ev:
-                ev[o.request_id].append(now)
-    return ev
+def run_raw(eng, prompts, max_tokens: int) -> dict[str, list[float]]:
+    """bench.pd_clients.run_engine's token arrival times, by request."""
+    from bench.pd_clients import run_engine
+
+    return {str(i): [t for t, _ in tr.events]
+            for i, tr in enumerate(run_engine(eng, prompts, max_tokens))}
 
 
 class _Sink:
@@ -142,7 +136,7 @@ def main(argv=None) -> int:
     def prompts():
         return [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(a.rows)]
 
-    run_raw(eng, prompts()[:4], params)  # warm-up
+    run_raw(eng, prompts()[:4], a.max_tokens)  # warm-up
     res: dict[str, list[float]] = {"raw": [], "async": [], f"async+{a.work_us:g}us": []}
     ae = AsyncEngine(engine=eng)
 
@@ -151,7 +145,7 @@ def main(argv=None) -> int:
         try:
             for r in range(a.rounds):
                 # the raw case runs on the engine thread (commands run between steps)
-                res["raw"].append(steady_gap_ms(await ae.call(lambda e: run_raw(e, prompts(), params))))
+                res["raw"].append(steady_gap_ms(await ae.call(lambda e: run_raw(e, prompts(), a.max_tokens))))
                 res["async"].append(steady_gap_ms(await run_async(ae, prompts(), params, 0.0)))
                 res[f"async+{a.work_us:g}us"].append(steady_gap_ms(
                     await run_async(ae, prompts(), params, a.work_us * 1e-6)))
