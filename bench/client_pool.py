@@ -13,13 +13,13 @@ import time
 
 
 def _work(api: str, addr: str, model: str, prompts: list[list[int]], max_tokens: int,
-          logprobs, start_at: float):
+          logprobs, start_at: float, channels: int = 1):
     from bench.pd_clients import run_system
 
     delay = start_at - time.perf_counter()
     if delay > 0:  # every worker sends at the same instant
         time.sleep(delay)
-    return asyncio.run(run_system(api, addr, model, prompts, max_tokens, logprobs))
+    return asyncio.run(run_system(api, addr, model, prompts, max_tokens, logprobs, channels=channels))
 
 
 def _ready() -> bool:
@@ -39,8 +39,9 @@ class ClientPool:
     """procs worker processes (spawned: no CUDA or event loop state inherited), kept for the
     whole run so later cases pay no start-up."""
 
-    def __init__(self, procs: int, lead_s: float = 0.05):
-        self.procs, self.lead_s = procs, lead_s
+    def __init__(self, procs: int, channels: int = 1, lead_s: float = 0.05):
+        """channels: gRPC connections in each worker."""
+        self.procs, self.channels, self.lead_s = procs, channels, lead_s
         self._ex = concurrent.futures.ProcessPoolExecutor(
             procs, mp_context=multiprocessing.get_context("spawn"))
         for f in [self._ex.submit(_ready) for _ in range(procs)]:
@@ -52,7 +53,7 @@ class ClientPool:
         parts = split(list(range(len(prompts))), self.procs)
         start_at = time.perf_counter() + self.lead_s
         futs = [self._ex.submit(_work, api, addr, model, [prompts[i] for i in idx], max_tokens,
-                                logprobs, start_at) for idx in parts]
+                                logprobs, start_at, self.channels) for idx in parts]
         out: list = [None] * len(prompts)
         for idx, f in zip(parts, futs):
             for i, tr in zip(idx, f.result()):

@@ -202,8 +202,10 @@ def add_unseen_tokens(events: list[tuple[float, int]], completion_tokens: int | 
 
 
 async def run_system(api: str, addr: str, model: str, prompts: list[list[int]], max_tokens: int,
-                     logprobs: int | None = None, timeout_s: float = 600.0) -> list[Trace]:
-    """len(prompts) concurrent streaming clients, one request each; raises the first error."""
+                     logprobs: int | None = None, timeout_s: float = 600.0,
+                     channels: int = 1) -> list[Trace]:
+    """len(prompts) concurrent streaming clients, one request each; raises the first error.
+    channels (gRPC): connections opened, the clients dealt round-robin over them."""
     import asyncio
 
     if api == "grpc":
@@ -211,11 +213,16 @@ async def run_system(api: str, addr: str, model: str, prompts: list[list[int]], 
 
         from protos import generate_pb2_grpc
 
-        async with grpc.aio.insecure_channel(addr) as ch:
-            await ch.channel_ready()  # a client's connection is open before it asks: time the request only
-            stub = generate_pb2_grpc.GenerationStub(ch)
-            return list(await asyncio.gather(*(grpc_one(stub, p, max_tokens, logprobs, timeout_s)
-                                               for p in prompts)))
+        # NOTE: a local subchannel pool each: channels to one address would share a connection
+        chs = [grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(max(1, min(channels, len(prompts))))]
+        try:  # a client's connection is open before it asks: time the request only
+            await asyncio.gather(*(ch.channel_ready() for ch in chs))
+            stubs = [generate_pb2_grpc.GenerationStub(ch) for ch in chs]
+            return list(await asyncio.gather(*(grpc_one(stubs[i % len(stubs)], p, max_tokens, logprobs,
+                                                        timeout_s) for i, p in enumerate(prompts))))
+        finally:
+            await asyncio.gather(*(ch.close() for ch in chs))
     from bench.serve_client import ClientConfig, RestClient
     from bench.serve_trace import Req
 

@@ -20,15 +20,16 @@ ROLES = {"gateway": "gateway", "prefill": "prefill_svc", "decode": "decode_svc"}
 
 def snapshot(urls: dict[str, str], pids: dict[str, int] | None = None) -> dict[str, float]:
     """{hop: metrics url} -> {'hop:series': value} of each hop's ITL sum and count; with pids
-    ({role: pid}) also 'cpu_s:role' (CPU seconds so far) and 't' (monotonic seconds)."""
+    ({role: pid or [pids]}: a role's processes summed, e.g. gateway workers) also 'cpu_s:role'
+    (CPU seconds so far) and 't' (monotonic seconds)."""
     out = {"t": time.monotonic()}
     for hop, url in urls.items():
         for k, v in scrape_metrics(url, _ITL + "_(?:sum|count)").items():
             out[f"{hop}:{k}"] = v
     for role, pid in (pids or {}).items():
-        s = cpu_seconds(pid)
-        if s is not None:
-            out[f"cpu_s:{role}"] = s
+        secs = [cpu_seconds(p) for p in (pid if isinstance(pid, (list, tuple)) else [pid])]
+        if secs and None not in secs:
+            out[f"cpu_s:{role}"] = sum(secs)
     return out
 
 
@@ -50,14 +51,20 @@ def itl_means(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def service_pids(root: int) -> dict[str, int]:
-    """{role: pid} of the services under process root (`splitserve up`), by their module name
-    on the command line (`python -m decode_svc ...`), and 'client': this process."""
-    out: dict[str, int] = {}
+def role_pids(root: int) -> dict[str, list[int]]:
+    """{role: [pids]} of the services under process root (`splitserve up`), by their module name
+    on the command line (`python -m decode_svc ...`; several for gateway workers), and
+    'client': [this process]."""
+    out: dict[str, list[int]] = {}
     for pid in descendants(root):
         argv = cmdline(pid)
         for role, module in ROLES.items():
             if module in argv:
-                out.setdefault(role, pid)
-    out["client"] = os.getpid()
+                out.setdefault(role, []).append(pid)
+    out["client"] = [os.getpid()]
     return out
+
+
+def service_pids(root: int) -> dict[str, int]:
+    """{role: pid}: the first process of each role of role_pids."""
+    return {role: pids[0] for role, pids in role_pids(root).items()}

@@ -40,7 +40,7 @@ import time
 
 from bench.client_pool import ClientPool
 from bench.common import print_table, write_result
-from bench.pd_hops import itl_means, service_pids, snapshot
+from bench.pd_hops import itl_means, role_pids, snapshot
 from bench.pd_table import (COLS, TTFT_SLACK_MS, add_derived, build_rows, fmt,  # noqa: F401
                              ratio)  # fmt, ratio: re-exported
 from bench.pd_clients import (free_port, gateway_medians, kv_delta, model_info, percentile,
@@ -82,6 +82,11 @@ def parse_args(argv=None):
     ap.add_argument("--client-procs", type=int, default=1,
                     help="client processes the system's streams are spread over (1: all in this "
                          "process, whose loop may then set the pace of short steps)")
+    ap.add_argument("--client-channels", type=int, default=1,
+                    help="gRPC connections per client process, its streams dealt over them (each "
+                         "its own connection: gateway workers get them spread by the kernel)")
+    ap.add_argument("--gateway-workers", type=int, default=1,
+                    help="up's --gateway-workers: gateway processes sharing the ports")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     a, rest = ap.parse_known_args(argv)
     ep = argparse.ArgumentParser(prog="engine flags", allow_abbrev=False)
@@ -197,6 +202,8 @@ def start_up(a, e, engine_argv: list[str], log_path: str, mports: tuple[int, int
         cmd += [f"--gateway-arg=--prefill-on-decode={a.prefill_on_decode}"]
     if a.decode_streams:
         cmd += [f"--gateway-arg=--decode-streams={a.decode_streams}"]
+    if a.gateway_workers > 1:
+        cmd += ["--gateway-workers", str(a.gateway_workers)]
     path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
     env = {**os.environ, "PYTHONPATH": path, "OTEL_TRACES_EXPORTER": "none"}
     say("whole system: " + " ".join(cmd[1:]))
@@ -226,15 +233,16 @@ def system_side(a, e, engine_argv: list[str]) -> tuple[dict, str]:
         say(f"whole system: up (REST {rest}, gRPC {grpc_addr})")
         addr = grpc_addr if a.api == "grpc" else rest
 
-        pool = ClientPool(a.client_procs) if a.client_procs > 1 else None
+        pool = ClientPool(a.client_procs, a.client_channels) if a.client_procs > 1 else None
 
         def run(prompts, max_tokens, lp):
             if pool is not None:
                 return pool.run(a.api, addr, info.model, prompts, max_tokens, lp)
-            return asyncio.run(run_system(a.api, addr, info.model, prompts, max_tokens, lp))
+            return asyncio.run(run_system(a.api, addr, info.model, prompts, max_tokens, lp,
+                                          channels=a.client_channels))
 
         hops = {"decode": f"http://127.0.0.1:{mports[1]}", "gateway": rest}
-        pids = service_pids(up.pid)
+        pids = role_pids(up.pid)
         if pool is not None:  # the client's share is its workers'
             pids.pop("client")
         try:

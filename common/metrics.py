@@ -16,13 +16,14 @@ All names start with `splitserve_`; times are seconds, sizes bytes.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest, start_http_server)
 
-from common.metrics_export import EXPORTS, exposed_registry
+from common.metrics_export import EXPORTS, MULTIPROC_ENV, exposed_registry
 
 log = logging.getLogger("splitserve.metrics")
 
@@ -51,7 +52,8 @@ class ServiceMetrics:
         # registry: where this role's series register (get_sample_value reads it without the
         # model_name label); exposed: what /metrics serves
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.exposed = exposed_registry(self.registry, lambda: self.model_name)
+        self.exposed = exposed_registry(self.registry, lambda: self.model_name,
+                                        os.environ.get(MULTIPROC_ENV) or None)
         groups = EXPORTS.get(service)
 
         def r(group: str):  # NOTE: registry=None: the metric works but is exported nowhere
@@ -63,12 +65,14 @@ class ServiceMetrics:
         self.queue_time = Histogram(
             "splitserve_request_queue_seconds", "Time a request waited before it ran (gateway: "
             "admission queue; prefill / decode: engine queue)", buckets=_SLOW, registry=r("request"))
+        # multiprocess_mode: how gateway workers' values combine (common/metrics_export.py)
         self.running = Gauge("splitserve_num_requests_running", "Requests running now",
-                             registry=r("request"))
+                             registry=r("request"), multiprocess_mode="livesum")
         self.waiting = Gauge("splitserve_num_requests_waiting", "Requests waiting now",
-                             registry=r("request"))
+                             registry=r("request"), multiprocess_mode="livesum")
         self.restarts = Gauge("splitserve_process_restarts", "Times `splitserve up` restarted this "
-                              "service after it died (SPLITSERVE_RESTARTS)", registry=r("request"))
+                              "service after it died (SPLITSERVE_RESTARTS)", registry=r("request"),
+                              multiprocess_mode="livesum")
         self.ttft = Histogram("splitserve_time_to_first_token_seconds",
                               "Time from request arrival to its first output token", buckets=_SLOW,
                               registry=r("latency"))
@@ -167,10 +171,12 @@ class ServiceMetrics:
             "request (1 = exact)", ["what"], buckets=_RATIO, registry=r("gateway"))
         self.prediction_mape = Gauge(
             "splitserve_admission_prediction_abs_error_ratio", "Median absolute percentage error "
-            "of the recent predictions (a fraction)", ["what"], registry=r("gateway"))
+            "of the recent predictions (a fraction; the worst gateway worker's)", ["what"],
+            registry=r("gateway"), multiprocess_mode="livemax")
         self.prediction_correction = Gauge(
             "splitserve_admission_prediction_correction", "Calibration of the raw prediction: "
-            "corrected = offset_ms + scale * raw", ["what", "term"], registry=r("gateway"))
+            "corrected = offset_ms + scale * raw", ["what", "term"], registry=r("gateway"),
+            multiprocess_mode="livemostrecent")
         # --- prefix-aware routing (gateway; kind: prompt|predicted|cached tokens)
         self.routing_prefix_tokens = Counter(
             "splitserve_routing_prefix_tokens", "Prompt tokens routed to prefill, those the router "
@@ -180,13 +186,15 @@ class ServiceMetrics:
             self.routing_prefix_tokens.labels(kind=k)
         # --- replicas as the gateway sees them (Load polls)
         self.replica_up = Gauge("splitserve_replica_up", "1 when the replica answered its last poll",
-                                ["role", "replica"], registry=r("gateway"))
+                                ["role", "replica"], registry=r("gateway"),
+                                multiprocess_mode="livemostrecent")
         self.replica_kv_usage = Gauge("splitserve_replica_kv_cache_usage_ratio",
                                       "KV usage a replica reported", ["role", "replica"],
-                                      registry=r("gateway"))
+                                      registry=r("gateway"), multiprocess_mode="livemostrecent")
         self.replica_queued_tokens = Gauge("splitserve_replica_queued_tokens",
                                            "Queued (prefill) / reserved (decode) tokens a replica "
-                                           "reported", ["role", "replica"], registry=r("gateway"))
+                                           "reported", ["role", "replica"], registry=r("gateway"),
+                                           multiprocess_mode="livemostrecent")
         # --- CUDA graphs (engine)
         self.cuda_graph_replays = Counter("splitserve_cuda_graph_replays", "CUDA graph replays",
                                           registry=r("engine"))

@@ -1,12 +1,19 @@
 """What a ServiceMetrics registry exposes: the series groups of each role (EXPORTS), and the
 served model's name as a `model_name` label on every sample (as vLLM labels its series), added
-at scrape time so no call site names it."""
+at scrape time so no call site names it.
+
+Several processes of one role (gateway workers sharing a port) export as one: with
+PROMETHEUS_MULTIPROC_DIR set in their environment before prometheus_client is imported, each
+writes its values to files there and every scrape, whichever worker answers it, sums counters
+and histograms over all of them (gauges combine by their `multiprocess_mode`)."""
 from __future__ import annotations
 
 from typing import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # the series groups each role exports (a role not listed, e.g. a unit test's, exports all):
 # request: outcomes, queue time, running / waiting   latency: TTFT, TPOT, e2e   itl: token gaps
@@ -40,8 +47,27 @@ class ModelLabel:
             yield out
 
 
-def exposed_registry(inner: CollectorRegistry, name: Callable[[], str | None]) -> CollectorRegistry:
-    """A registry for /metrics that serves `inner` through ModelLabel."""
+class AllWorkers:
+    """A collector of the families registered in `inner`, with every worker's values read
+    from the multiprocess directory (a process writes every metric it creates there, those of
+    other roles too: only inner's names pass)."""
+
+    def __init__(self, inner: CollectorRegistry, path: str):
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.inner, self.all = inner, MultiProcessCollector(None, path)
+
+    def collect(self):
+        names = {mf.name for mf in self.inner.collect()}
+        for mf in self.all.collect():
+            if mf.name in names:
+                yield mf
+
+
+def exposed_registry(inner: CollectorRegistry, name: Callable[[], str | None],
+                     multiproc_dir: str | None = None) -> CollectorRegistry:
+    """A registry for /metrics that serves `inner` (all workers' values, with multiproc_dir)
+    through ModelLabel."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(ModelLabel(inner, name))
+    reg.register(ModelLabel(AllWorkers(inner, multiproc_dir) if multiproc_dir else inner, name))
     return reg

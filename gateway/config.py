@@ -49,6 +49,9 @@ class GatewayConfig:
     tls_key: str | None = None
     max_concurrency_per_key: int | None = None
     drain_timeout_s: float = 30.0  # SIGTERM: running requests may finish for this long
+    # bind both public ports with SO_REUSEPORT: several gateway workers share them and the
+    # kernel spreads new connections across them (`splitserve up --gateway-workers N`)
+    reuse_port: bool = False
 
     def __post_init__(self):
         if self.prefill_on_decode not in PREFILL_ON_DECODE:
@@ -155,6 +158,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "to this long, then exit")
     p.add_argument("--ready-file", default=None,
                    help="write 'grpc_port http_port' here once serving")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind the gRPC and REST ports with SO_REUSEPORT so that several gateway "
+                        "processes share them (the kernel spreads connections; `splitserve up "
+                        "--gateway-workers N` sets it); the ports are not bind-tested first")
     g = p.add_argument_group("public front")
     g.add_argument("--api-key", action="append", default=None,
                    help="accept this API key (repeat; also --api-key-file and SPLITSERVE_API_KEY, "
@@ -186,7 +193,8 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
 
     from gateway.auth import collect_keys
 
-    check_ports_free(a.host, [("gateway gRPC", a.grpc_port), ("gateway REST", a.http_port)])
+    if not a.reuse_port:  # NOTE: a worker joining its siblings finds its ports held by them
+        check_ports_free(a.host, [("gateway gRPC", a.grpc_port), ("gateway REST", a.http_port)])
     return GatewayConfig(
         internal_auth=internal_auth_from_args(a), api_keys=collect_keys(a.api_key, a.api_key_file),
         tls_cert=a.tls_cert, tls_key=a.tls_key, max_concurrency_per_key=a.max_concurrency_per_key,
@@ -202,4 +210,5 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                                   headroom_quantile=a.slo_attainment,
                                   guard=a.admission_guard, ttft_model=a.admission_ttft_model),
         prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams,
-        reserve_overlap=a.reserve_overlap, log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s)
+        reserve_overlap=a.reserve_overlap, log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s,
+        reuse_port=a.reuse_port)

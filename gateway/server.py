@@ -70,6 +70,7 @@ def public_grpc_options(cfg: GatewayConfig) -> list[tuple[str, int]]:
     """Limits of the public gRPC front against hostile clients (the internal plane keeps
     common.grpc_util.server_options: its KV chunks need the large messages)."""
     return [
+        ("grpc.so_reuseport", 1 if cfg.reuse_port else 0),
         # a message is a prompt (text <= max_body_bytes) and its fields: a larger one is refused
         # by its length prefix, before it is buffered
         ("grpc.max_receive_message_length", cfg.max_body_bytes + (1 << 20)),
@@ -118,6 +119,8 @@ async def serve(cfg: GatewayConfig) -> int:
                         max_tokens_over_context=cfg.max_tokens_over_context)
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if cfg.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((cfg.host, cfg.http_port))  # bind here so port 0 is known before serving
         http_port = sock.getsockname()[1]
         ucfg = uvicorn.Config(front.wrap_asgi(app), log_level="warning", access_log=False,

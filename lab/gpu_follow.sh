@@ -15,6 +15,7 @@
 #   skinny lab.skinny_default_ab, 1B then 8B: the untuned default (fused at one row, cuBLAS
 #         above) against the fused heuristic up to 16 rows (on an H200: --no-table)
 #   adp   lab.async_decode_probe on the 1B: Engine.step() alone vs AsyncEngine's thread + loop
+#   gw    pd_system 1B with GW_WORKERS (1 2 4) gateway workers, clients in 4 processes x 4 connections
 #   plan8b lab.plan_gpu for the 8B (issue 27's validation, at this tree: the TTFT parts per request)
 #   sweep1b  lab.serve_sweep for the 1B (SLO 250 / 25 ms): issue 24's sweep, the whole call
 #   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
@@ -73,6 +74,13 @@ for s in ${STAGES:-auto wide}; do
           --model dummy:llama-3.2-1b --device cuda --clients 64 --prompt-len 512 --window 8 \
           --out "$OUT/hprof-1b" 2>&1 | grep -v "^\[" | tail -75
       fi ;;
+    gw)  # gateway workers (up --gateway-workers): 1B pd_system, clients in CLIENT_PROCS processes
+      # of 4 connections each, GW_WORKERS gateway processes in turn on the same machine
+      for w in ${GW_WORKERS:-1 2 4}; do
+        left || break
+        PD_TAG=_gw$w PD_ARGS="--client-procs ${CLIENT_PROCS:-4} --client-channels 4 --gateway-workers $w" \
+          OUT=$OUT MODELS=${GW_MODELS:-dummy:llama-3.2-1b} PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
+      done ;;
     plan8b)
       [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

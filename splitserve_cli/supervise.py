@@ -1,5 +1,5 @@
-"""`splitserve up`'s supervision of its three children once they are up: a child that dies is
-started again on the ports it had (so the gateway's channels and the tickets' addresses stay
+"""`splitserve up`'s supervision of its children (prefill, decode, the gateway's workers) once
+they are up: a child that dies is started again on the ports it had (so the gateway's channels and the tickets' addresses stay
 valid), after a backoff that doubles while it keeps dying (1 s .. 30 s) and resets once it has
 stayed up a minute; each restart is one log line with its counter (and the child's
 splitserve_process_restarts metric). A child that dies more than
@@ -24,6 +24,11 @@ def _say(msg: str) -> None:
     print(f"splitserve up: {msg}", file=sys.stderr, flush=True)
 
 
+def is_gateway(name: str) -> bool:
+    """The gateway's workers are "gateway", "gateway-1", ... (`up --gateway-workers`)."""
+    return name == "gateway" or name.startswith("gateway-")
+
+
 def pin_flag(argv: list[str], flag: str, value: str) -> list[str]:
     """argv with flag's value replaced (`--flag V` or `--flag=V`), or appended when absent."""
     out, i, done = [], 0, False
@@ -46,7 +51,7 @@ def pinned_argv(name: str, argv: list[str], ready: list[str]) -> list[str]:
     """The child's command line with the ports it got the first time (its ready file): a
     restarted child must be found where its peers already dial it."""
     argv = pin_flag(argv, "--port", ready[0])
-    second = "--http-port" if name == "gateway" else "--metrics-port"
+    second = "--http-port" if is_gateway(name) else "--metrics-port"
     if len(ready) > 1 and ready[1] != "-1":
         argv = pin_flag(argv, second, ready[1])
     return argv
@@ -125,14 +130,15 @@ class Supervisor:
         """Graceful: SIGTERM to the gateway, which drains (its streams still need the services),
         then to the services, which drain what is left; SIGKILL to any still alive
         KILL_AFTER_S past the drain timeout."""
-        order = [self.slots[n].child for n in ("gateway", "prefill", "decode") if n in self.slots]
+        order = [s.child for n, s in self.slots.items() if is_gateway(n)]
+        order += [self.slots[n].child for n in ("prefill", "decode") if n in self.slots]
         stop_in_order(order, self.drain_timeout_s)
 
 
 def stop_in_order(children: list, drain_timeout_s: float) -> None:
     """children: gateway first. Each group gets SIGTERM and its drain time before the next."""
-    front = [c for c in children if c.name == "gateway"]
-    back = [c for c in children if c.name != "gateway"]
+    front = [c for c in children if is_gateway(c.name)]
+    back = [c for c in children if not is_gateway(c.name)]
     for group in (front, back):
         for c in group:
             if c.alive():

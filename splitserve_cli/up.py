@@ -1,4 +1,5 @@
-"""`splitserve up`: prefill, decode and gateway as three processes, supervised together.
+"""`splitserve up`: prefill, decode and gateway as three processes (the gateway as several with
+--gateway-workers), supervised together.
 
 Starts prefill and decode (engine flags not known here are forwarded to both), waits for
 their ready files, starts the gateway pointing at them, waits for it, prints the URLs.
@@ -33,7 +34,8 @@ import threading
 import time
 
 from kvtransfer.endpoint import BACKENDS as KV_BACKENDS
-from splitserve_cli.supervise import Supervisor
+from common.metrics_export import MULTIPROC_ENV
+from splitserve_cli.supervise import Supervisor, is_gateway, pin_flag, pinned_argv
 from splitserve_cli import up_topology
 from splitserve_cli.up_banner import banner, gateway_front, gateway_shared_flags
 
@@ -128,6 +130,16 @@ def internal_secret_env(secret_file: str | None) -> dict[str, str]:
     return {ENV_SECRET: generate_secret()}
 
 
+def gateway_workers_env(env: dict, tmp: str, workers: int) -> dict:
+    """The gateway's environment: with several workers, the directory where each writes its
+    metric values (common/metrics_export.py) so that a scrape of any of them shows all."""
+    if workers <= 1:
+        return env
+    path = os.path.join(tmp, "gateway-metrics")
+    os.makedirs(path, exist_ok=True)
+    return {**env, MULTIPROC_ENV: path}
+
+
 def service_cmd(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
@@ -182,6 +194,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="extra flag for prefill only (repeat), e.g. --prefill-arg=--kv-chunk-bytes=8388608")
     p.add_argument("--decode-arg", action="append", default=[],
                    help="extra flag for decode only (repeat), e.g. --decode-arg=--prefill-yield-ratio=0")
+    p.add_argument("--gateway-workers", type=int, default=1, metavar="N",
+                   help="gateway processes sharing the gRPC and REST ports (SO_REUSEPORT: the "
+                        "kernel spreads connections); more than one when the gateway's CPU "
+                        "limits the token rate (many fast streams). Each admits on its own "
+                        "requests and the replicas' polled load; /metrics sums them all")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="Ctrl-C / SIGTERM: running requests may finish for this long (each service)")
@@ -280,12 +297,17 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
     except PortInUseError as e:
         print(f"splitserve up: {e}", file=sys.stderr)
         return 2
+    if a.gateway_workers < 1:
+        print(f"splitserve up: --gateway-workers must be >= 1, got {a.gateway_workers}", file=sys.stderr)
+        return 2
     tmp = tempfile.mkdtemp(prefix="splitserve-up-")
     try:  # NOTE: the secret goes in the children's environment, never on a command line (ps)
         env = {**os.environ, **internal_secret_env(a.internal_secret_file)}
     except ValueError as e:
         print(f"splitserve up: {e}", file=sys.stderr)
         return 2
+    env.pop(MULTIPROC_ENV, None)  # NOTE: one service's workers share a directory, never two services
+    gw_env = gateway_workers_env(env, tmp, a.gateway_workers)
     common = ["--model", a.model, "--host", a.host, "--drain-timeout-s", str(a.drain_timeout_s)] + (
         ["--log-level", a.log_level] if a.log_level else [])
     children: list[Child] = []
@@ -319,14 +341,28 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                             "--prefill", f"{a.host}:{pport}", "--decode", f"{a.host}:{dport}",
                             "--ready-file", os.path.join(tmp, "gateway"), *shared, *gw_topology,
                             *a.gateway_arg]
+        if a.gateway_workers > 1:
+            gw_args.append("--reuse-port")
         children.append(Child("gateway", service_cmd("gateway", gw_args), os.path.join(tmp, "gateway"),
-                              env))
+                              gw_env))
         ready = wait_ready(children, a.ready_timeout)
         gport, hport = ready["gateway"][0], ready["gateway"][1]
+        for i in range(1, a.gateway_workers):  # on the ports the first one bound (0: a free one)
+            name = f"gateway-{i}"
+            argv = pinned_argv("gateway", pin_flag(gw_args, "--ready-file", os.path.join(tmp, name)),
+                               ready["gateway"])
+            children.append(Child(name, service_cmd("gateway", argv), os.path.join(tmp, name), gw_env))
+        ready = wait_ready(children, a.ready_timeout)
         print(banner(a, engine_args, backend, gport, hport, pport, dport,
                      (ready["prefill"][1], ready["decode"][1]), gateway_front(gw_args)), flush=True)
         def respawn(name: str, argv: list[str], ready_file: str, restarts: int) -> Child:
-            return Child(name, argv, ready_file, {**env, "SPLITSERVE_RESTARTS": str(restarts)})
+            gw = is_gateway(name)
+            if gw and MULTIPROC_ENV in gw_env:  # its live gauges leave the sums
+                from prometheus_client.multiprocess import mark_process_dead
+
+                mark_process_dead(sup.slots[name].child.proc.pid, gw_env[MULTIPROC_ENV])
+            return Child(name, argv, ready_file, {**(gw_env if gw else env),
+                                                  "SPLITSERVE_RESTARTS": str(restarts)})
 
         sup = Supervisor(children, ready, respawn,
                          max_restarts=a.max_restarts, drain_timeout_s=a.drain_timeout_s)

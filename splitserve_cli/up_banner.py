@@ -80,6 +80,9 @@ def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, g
             if str(hport) != "-1" else "off")
     metrics = "   ".join(f"{n} http://{h}:{p}/metrics" for n, p in zip(("prefill", "decode"), mports)
                            if str(p) != "-1") or "prefill / decode off (--metrics-ports)"
+    n = getattr(a, "gateway_workers", 1)
+    workers = (f"  gateway        {n} worker processes on the REST and gRPC ports (/metrics: all)\n"
+               if n > 1 else "")
     how = (f"colocated: prompts prefilled on decode, {a.decode_threads} threads"
            if getattr(a, "resolved_topology", "split") == "colocated"
            else f"split, KV transfer: {backend or 'auto'}")
@@ -91,4 +94,4 @@ def banner(a: argparse.Namespace, engine_args: list[str], backend: str | None, g
             f"(./{name or '<model name>'}) for benchmark tools\n"
             f"  prefill        {h}:{pport}\n  decode         {h}:{dport}\n"
             f"  metrics        {metrics}\n"
-            f"Ctrl-C stops all three.")
+            f"{workers}Ctrl-C stops them all.")
