@@ -40,6 +40,7 @@ from splitserve_cli import up_topology
 from splitserve_cli.up_banner import banner, gateway_front, gateway_shared_flags
 
 GRACE_S = 10.0
+WORKER_POLL_S = 0.1  # gateway workers' Load poll period (one gateway: its own default, 0.5 s)
 
 
 class UpError(ValueError):
@@ -343,6 +344,10 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                             *a.gateway_arg]
         if a.gateway_workers > 1:
             gw_args.append("--reuse-port")
+            if not any(x.startswith("--poll-interval") for x in a.gateway_arg):
+                # NOTE: a worker sees its siblings' requests only in the replicas' Load: poll
+                # 5x as often as one gateway does, to keep that blind window short
+                gw_args += ["--poll-interval", str(WORKER_POLL_S)]
         children.append(Child("gateway", service_cmd("gateway", gw_args), os.path.join(tmp, "gateway"),
                               gw_env))
         ready = wait_ready(children, a.ready_timeout)

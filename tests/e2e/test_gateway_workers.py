@@ -34,6 +34,8 @@ def _workers(up) -> dict[int, str]:
         except (OSError, ValueError, IndexError):
             continue
         if ppid == up.popen.pid and b"gateway" in argv and b"-m" in argv:
+            i = argv.index(b"--poll-interval")  # workers poll the replicas' Load more often
+            assert float(argv[i + 1]) < 0.5, argv
             out[pid] = env.get(b"PROMETHEUS_MULTIPROC_DIR", b"").decode()
     return out
 
