@@ -182,7 +182,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency-per-key", type=int,
                    default=env_int("SPLITSERVE_MAX_CONCURRENCY_PER_KEY"),
                    help="running requests per API key (all callers together without keys); "
-                        "more: 429 / RESOURCE_EXHAUSTED")
+                        "more: 429 / RESOURCE_EXHAUSTED. Counted in this process: gateway workers "
+                        "each count their own")
     add_internal_auth_args(p)
 
 

@@ -1,7 +1,8 @@
 """`splitserve up --gateway-workers 2`: two gateway processes share the REST and gRPC ports.
 Requests on fresh connections (REST and gRPC) all succeed and reach both workers; /metrics,
 whichever worker answers it, counts every request; a worker killed with SIGKILL comes back on
-the same ports while the other serves, and the dead one's counts stay in the sums."""
+the same ports while the other serves, and the dead one's counts stay in the sums; SIGTERM
+stops them all cleanly."""
 from __future__ import annotations
 
 import json
@@ -108,3 +109,5 @@ def test_gateway_workers_share_ports_metrics_and_survive_a_kill():
         total = 24 + served + 12
         assert _rest_total(up) == total  # the killed worker's counts are kept
         assert sum(_finished_by(path, pid) for pid in set(workers) | set(after)) == total
+        up.popen.send_signal(signal.SIGTERM)  # every worker drains, then the services
+        assert up.popen.wait(60) == 0, up.log()[-3000:]
