@@ -21,7 +21,7 @@ import threading
 import time
 
 from bench.pd_clients import free_port, grpc_one, model_info, random_prompts, stop_process, wait_up
-from bench.pd_hops import service_pids
+from bench.pd_hops import role_pids
 from bench.procfs import cpu_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,16 +44,20 @@ def summarize(raw_path: str, top: int) -> tuple[list, list, int]:
     return self_t.most_common(top), incl.most_common(top * 2), total
 
 
-async def load(addr: str, prompts, max_tokens: int, stop: threading.Event, stats: dict) -> None:
+async def load(addr: str, prompts, max_tokens: int, stop: threading.Event, stats: dict,
+               channels: int = 1) -> None:
     import grpc
 
     from protos import generate_pb2_grpc
 
-    async with grpc.aio.insecure_channel(addr) as ch:
-        await ch.channel_ready()
-        stub = generate_pb2_grpc.GenerationStub(ch)
+    chs = [grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+           for _ in range(channels)]
+    try:
+        await asyncio.gather(*(ch.channel_ready() for ch in chs))
+        stubs = [generate_pb2_grpc.GenerationStub(ch) for ch in chs]
 
         async def client(i: int) -> None:
+            stub = stubs[i % len(stubs)]
             k = 0
             while not stop.is_set():
                 tr = await grpc_one(stub, prompts[(i + k * 7) % len(prompts)], max_tokens, None, 600.0)
@@ -61,6 +65,8 @@ async def load(addr: str, prompts, max_tokens: int, stop: threading.Event, stats
                 stats["requests"] += 1
                 k += 1
         await asyncio.gather(*(client(i) for i in range(len(prompts) // 4)))
+    finally:
+        await asyncio.gather(*(ch.close() for ch in chs))
 
 
 def main(argv=None) -> int:
@@ -76,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--topology", default="split")
     ap.add_argument("--out", default=None, help="keep the raw stacks here")
+    ap.add_argument("--channels", type=int, default=1,
+                    help="gRPC connections the clients are dealt over (gateway workers: >= their number)")
     ap.add_argument("up_args", nargs="*", help="more `up` flags (after --)")
     a = ap.parse_args(argv)
     if shutil.which("py-spy") is None:
@@ -98,12 +106,13 @@ def main(argv=None) -> int:
     up = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     try:
         _, grpc_addr = wait_up(up, log_path, 900)
-        procs = {r: p for r, p in service_pids(up.pid).items() if r != "client"}
+        procs = {r if i == 0 else f"{r}-{i}": p for r, pids in role_pids(up.pid).items()
+                 if r != "client" for i, p in enumerate(pids)}
         info = model_info(grpc_addr)
         prompts = random_prompts(a.clients * 4, a.prompt_len, info.vocab_size, 1)
         stop, stats = threading.Event(), {"tokens": 0, "requests": 0}
-        th = threading.Thread(target=lambda: asyncio.run(load(grpc_addr, prompts, a.max_tokens, stop, stats)),
-                              daemon=True)
+        th = threading.Thread(target=lambda: asyncio.run(load(grpc_addr, prompts, a.max_tokens, stop, stats,
+                                                              a.channels)), daemon=True)
         th.start()
         time.sleep(a.warmup)
         c0 = {r: cpu_seconds(p) for r, p in procs.items()}
@@ -136,6 +145,11 @@ def main(argv=None) -> int:
             print("  inclusive:")
             for f, n in incl:
                 print(f"    {100 * n / total:5.1f}%  {f[:150]}")
+        gw = [r for r in procs if r.startswith("gateway")]
+        if len(gw) > 1:
+            total = sum(cores[r] for r in gw)
+            print(f"\n== gateway, {len(gw)} workers: {total:.2f} cores; "
+                  f"{total / max(tok_s, 1e-9) * 1e6:.0f} us of CPU a token")
         print(f"\nraw stacks in {out}")
     finally:
         stop_process(up, 60)
