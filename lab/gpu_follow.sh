@@ -15,7 +15,8 @@
 #   skinny lab.skinny_default_ab, 1B then 8B: the untuned default (fused at one row, cuBLAS
 #         above) against the fused heuristic up to 16 rows (on an H200: --no-table)
 #   adp   lab.async_decode_probe on the 1B: Engine.step() alone vs AsyncEngine's thread + loop
-#   gw    pd_system 1B with GW_WORKERS (1 2 4) gateway workers, clients in 4 processes x 4 connections
+#   gw    pd_system 1B with GW_WORKERS (1 2 4) gateway workers, clients in 4 processes x 4 connections,
+#         then lab.host_profile (py-spy on every process) with the most workers (GW_PROF=0: not)
 #   plan8b lab.plan_gpu for the 8B (issue 27's validation, at this tree: the TTFT parts per request)
 #   sweep1b  lab.serve_sweep for the 1B (SLO 250 / 25 ms): issue 24's sweep, the whole call
 #   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
@@ -80,7 +81,13 @@ for s in ${STAGES:-auto wide}; do
         left || break
         PD_TAG=_gw$w PD_ARGS="--client-procs ${CLIENT_PROCS:-4} --client-channels 4 --gateway-workers $w" \
           OUT=$OUT MODELS=${GW_MODELS:-dummy:llama-3.2-1b} PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
-      done ;;
+      done
+      if [ "${GW_PROF:-1}" = 1 ] && left; then  # py-spy on every process with the most workers
+        w=$(echo ${GW_WORKERS:-1 2 4} | tr ' ' '\n' | sort -n | tail -1)
+        PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site timeout 150 python3 -m lab.host_profile \
+          --model dummy:llama-3.2-1b --device cuda --clients 64 --prompt-len 512 --window 8 --channels 16 \
+          --out "$OUT/hprof-gw$w" -- --gateway-workers $w 2>&1 | grep -v "^\[" | grep -E "^load|^== |^  [a-z]|^ +[0-9]" | head -90
+      fi ;;
     plan8b)
       [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
