@@ -1,10 +1,10 @@
 """`splitserve up`'s supervision of its children (prefill, decode, the gateway's workers) once
 they are up: a child that dies is started again on the ports it had (so the gateway's channels
 and the tickets' addresses stay valid), after a backoff that doubles while it keeps dying
-(1 s .. 30 s) and resets once it has stayed up a minute; each restart is one log line with its counter (and the child's
-splitserve_process_restarts metric). A child that dies more than
+(1 s .. 30 s) and resets once it has stayed up a minute; each restart is one log line with
+its counter (and the child's splitserve_process_restarts metric). A child that dies more than
 `max_restarts` times in a row (0: the first time) stops everything, as does a signal (graceful:
-the gateway drains first, then the services).
+the gateway's workers drain first, then the services).
 """
 from __future__ import annotations
 
