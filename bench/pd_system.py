@@ -87,6 +87,9 @@ def parse_args(argv=None):
                          "its own connection: gateway workers get them spread by the kernel)")
     ap.add_argument("--gateway-workers", type=int, default=1,
                     help="up's --gateway-workers: gateway processes sharing the ports")
+    ap.add_argument("--up-arg", action="append", default=[],
+                    help="one more `splitserve up` flag for the system only (repeat; "
+                         "e.g. --up-arg=--decode-arg=--gil-switch-interval-ms=0.5)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     a, rest = ap.parse_known_args(argv)
     ep = argparse.ArgumentParser(prog="engine flags", allow_abbrev=False)
@@ -204,6 +207,7 @@ def start_up(a, e, engine_argv: list[str], log_path: str, mports: tuple[int, int
         cmd += [f"--gateway-arg=--decode-streams={a.decode_streams}"]
     if a.gateway_workers > 1:
         cmd += ["--gateway-workers", str(a.gateway_workers)]
+    cmd += a.up_arg
     path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
     env = {**os.environ, "PYTHONPATH": path, "OTEL_TRACES_EXPORTER": "none"}
     say("whole system: " + " ".join(cmd[1:]))

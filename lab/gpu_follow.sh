@@ -17,6 +17,7 @@
 #   adp   lab.async_decode_probe on the 1B: Engine.step() alone vs AsyncEngine's thread + loop
 #   gw    pd_system 1B with GW_WORKERS (1 2 4) gateway workers, clients in 4 processes x 4 connections,
 #         then lab.host_profile (py-spy on every process) with the most workers (GW_PROF=0: not)
+#   gil   pd_system 1B with 4 gateway workers and decode's --gil-switch-interval-ms GIL_MS (5 1 0.25)
 #   plan8b lab.plan_gpu for the 8B (issue 27's validation, at this tree: the TTFT parts per request)
 #   sweep1b  lab.serve_sweep for the 1B (SLO 250 / 25 ms): issue 24's sweep, the whole call
 #   lean  the admission run at 61.79 req/s, then pd_system 1B once (little device time left)
@@ -88,6 +89,13 @@ for s in ${STAGES:-auto wide}; do
           --model dummy:llama-3.2-1b --device cuda --clients 64 --prompt-len 512 --window 8 --channels 16 \
           --out "$OUT/hprof-gw$w" -- --gateway-workers $w 2>&1 | grep -v "^\[" | grep -E "^load|^== |^  [a-z]|^ +[0-9]" | head -90
       fi ;;
+    gil)  # decode's GIL switch interval with GW_MAX (4) gateway workers: GIL_MS (5 1 0.25) ms in turn
+      for g in ${GIL_MS:-5 1 0.25}; do
+        left || break
+        PD_TAG=_gil$g PD_ARGS="--client-procs ${CLIENT_PROCS:-4} --client-channels 4 --gateway-workers ${GW_MAX:-4} \
+          --up-arg=--decode-arg=--gil-switch-interval-ms=$g" OUT=$OUT MODELS=dummy:llama-3.2-1b \
+          PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
+      done ;;
     plan8b)
       [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
