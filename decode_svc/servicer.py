@@ -58,6 +58,7 @@ class DecodeServicer(ManyMixin, StreamingMixin, decode_pb2_grpc.DecodeServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self._reserved_tokens: dict[str, int] = {}  # transfer id -> prompt tokens
         self._running: dict[str, tuple] = {}  # request id -> (its stream task, engine stream)
+        self._tpot_budgets: dict[str, tuple] = {}  # request id -> (engine stream, tpot_ms)
         # request id -> transfer id of its current (unclaimed) reservation; read by the sink
         self.owner: dict[str, str] = owner if owner is not None else {}
         self.kv_backends = list(kv_backends)  # advertised in tickets, preferred first
@@ -275,4 +276,5 @@ class DecodeServicer(ManyMixin, StreamingMixin, decode_pb2_grpc.DecodeServicer):
             self._callers.pop(rid, None)  # their requests ended or expired
         return load_to_pb(self.engine.stats(), reserved=len(pending), device_id=self.device_id,
                           queued_tokens=sum(self._reserved_tokens.values()),
-                          tokens_per_s=int(self._rate.update(self._generated)))
+                          tokens_per_s=int(self._rate.update(self._generated)),
+                          min_tpot_ms=min((b for _, b in self._tpot_budgets.values()), default=0.0))

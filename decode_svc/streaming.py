@@ -27,7 +27,8 @@ _ABORTED = object()
 
 
 class StreamingMixin:
-    """Needs engine (AsyncEngine), metrics, _running, _callers and _generated (DecodeServicer)."""
+    """Needs engine (AsyncEngine), metrics, _running, _tpot_budgets, _callers and _generated
+    (DecodeServicer)."""
 
     @functools.cached_property
     def step_tally(self) -> StepTally:
@@ -120,14 +121,19 @@ class StreamingMixin:
 
     def _hold(self, rid, handle, request) -> None:
         self._running[rid] = (asyncio.current_task(), handle)
-        pacer = getattr(self.engine, "pacer", None)  # decode_svc.pacing.StepPacer
-        if pacer is not None:
-            pacer.add_budget(rid, request.tpot_ms)
+        if request.tpot_ms > 0:  # Load reports the tightest (LoadStats.min_tpot_ms)
+            self._tpot_budgets[rid] = (handle, float(request.tpot_ms))
+            pacer = getattr(self.engine, "pacer", None)  # decode_svc.pacing.StepPacer
+            if pacer is not None:
+                pacer.add_budget(rid, request.tpot_ms)
 
     def _unhold(self, rid, handle) -> None:
         if self._running.get(rid, (None, None))[1] is handle:
             self._running.pop(rid, None)
             self._callers.pop(rid, None)
+        # NOTE: apart from _running, which an Abort empties before the stream ends
+        if self._tpot_budgets.get(rid, (None, 0.0))[0] is handle:
+            del self._tpot_budgets[rid]
             if getattr(self.engine, "pacer", None) is not None:
                 self.engine.pacer.drop_budget(rid)
 

@@ -26,6 +26,7 @@ class LoadView:
     inflight_requests: int = 0
     max_num_seqs: int | None = None  # decode: the batch's sequence cap (None: not reported)
     max_batched_tokens: int | None = None  # tokens a step takes (None: not reported)
+    min_tpot_ms: float | None = None  # decode: tightest TPOT SLO it runs, any gateway's
 
 
 

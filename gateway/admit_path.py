@@ -72,9 +72,10 @@ class AdmitPath:
                 return Decision("admit", "idle probe: nothing admitted is running", pred)
         # one more sequence slows every running one: the tightest TPOT SLO there must hold too
         # (waiting helps: running requests finish)
-        if dec.kind == "admit" and d.tpot_slos and pred.tpot_ms > min(d.tpot_slos):
+        tight = d.tightest_tpot_ms() if dec.kind == "admit" else None
+        if tight is not None and pred.tpot_ms > tight:
             what = (f"predicted TPOT {pred.tpot_ms:.1f} ms would slow a running request past its "
-                    f"tpot_ms={min(d.tpot_slos):g}")
+                    f"tpot_ms={tight:g}")
             budget = min(cfg.max_queue_ms, ttft - pred.idle_ttft_ms if ttft is not None else math.inf)
             if waited_ms >= budget:
                 return Decision("reject", what + f" (queued {waited_ms:.0f} ms, no more time left)",

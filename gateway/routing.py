@@ -55,7 +55,7 @@ class Replica:
     healthy: bool = True
     last_poll: float = 0.0
     last_error: str = ""
-    tpot_slos: list[float] = field(default_factory=list)  # decode: of the requests it runs
+    tpot_slos: list[float] = field(default_factory=list)  # decode: of our requests it runs
     many: object = None  # decode: its DecodeMany call (gateway.decode_many), opened on first use
     # prefill: decode replicas its last handoff to went through a shared pool (vmm / shm), when
     # it takes tickets that follow the prompt (an older prefill does not: never sent them)
@@ -73,6 +73,12 @@ class Replica:
         self.load.inflight_tokens = max(0, self.load.inflight_tokens - tokens)
         self.load.inflight_requests = max(0, self.load.inflight_requests - 1)
         self.clock.done(key, time.monotonic(), finished)
+
+    def tightest_tpot_ms(self) -> float | None:
+        """decode: the tightest TPOT SLO among the requests it runs: ours at once, every
+        gateway's (other workers' too) as its last Load reported them."""
+        slos = [*self.tpot_slos, *((self.load.min_tpot_ms,) if self.load.min_tpot_ms else ())]
+        return min(slos) if slos else None
 
     def mark_down(self, err: str) -> None:
         if self.healthy:
@@ -132,7 +138,8 @@ def load_view_from_pb(pb, keep: LoadView | None = None) -> LoadView:
                  mean_step_ms=float(pb.mean_step_ms) or None,
                  tokens_per_s=float(pb.tokens_per_s) or None, device_id=pb.device_id,
                  max_num_seqs=int(pb.max_num_seqs) or None,
-                 max_batched_tokens=int(pb.max_num_batched_tokens) or None)
+                 max_batched_tokens=int(pb.max_num_batched_tokens) or None,
+                 min_tpot_ms=float(pb.min_tpot_ms) or None)
     if keep is not None:
         v.inflight_tokens, v.inflight_requests = keep.inflight_tokens, keep.inflight_requests
     return v

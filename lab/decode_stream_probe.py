@@ -70,7 +70,7 @@ class FakeEngine:
 class Streams(StreamingMixin):
     def __init__(self, engine):
         self.engine, self.metrics = engine, get_metrics("decode", "probe")
-        self._running, self._callers, self._generated = {}, {}, 0
+        self._running, self._tpot_budgets, self._callers, self._generated = {}, {}, {}, 0
 
 
 async def one_round(rows: int, step_ms: float, tokens: int, mode: str = "stream") -> dict:

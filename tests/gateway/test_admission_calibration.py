@@ -259,6 +259,10 @@ async def test_a_new_request_may_not_slow_a_running_one_past_its_tpot_slo():
         dd = core._decide(r, 0.0)
         assert dd.kind == "queue" and "tpot_ms=5" in dd.reason
         d.tpot_slos.clear()
+        d.load.min_tpot_ms = 5.0  # another gateway's request there, as decode's Load reports it
+        dd = core._decide(r, 0.0)
+        assert dd.kind == "queue" and "tpot_ms=5" in dd.reason
+        d.load.min_tpot_ms = None
         # a request's own TPOT SLO is held on its decode replica while it runs, then dropped
         r2 = GenRequest(core.new_request_id(), core.tokenizer.encode("abc"),
                         SamplingParams(temperature=0.0, max_tokens=3), tpot_slo_ms=900.0)

@@ -2,7 +2,8 @@
 stream's sink in the step's loop wake-up and every message goes to emit. Driven on a real
 AsyncEngine (tiny model, prefill_here requests): the same tokens and finish as the per-request
 generator form, Abort (AsyncEngine.interrupt) ends it with an abort message, a cancelled
-handler aborts its request; the blocks come back every time."""
+handler aborts its request; the blocks come back every time. Load reports the tightest TPOT
+SLO among the running requests, an aborted one's gone."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,9 @@ class _NoTransfers:
     def find_request(self, rid):
         return None
 
+    def pending(self):
+        return []
+
 
 @pytest.fixture
 async def svc():
@@ -37,8 +41,9 @@ async def svc():
     await ae.stop()
 
 
-def _req(rid: str, n: int) -> decode_pb2.DecodeRequest:
-    return decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8], prefill_here=True)
+def _req(rid: str, n: int, tpot_ms: int = 0) -> decode_pb2.DecodeRequest:
+    return decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8], prefill_here=True,
+                                    tpot_ms=tpot_ms)
 
 
 def _params(n: int) -> SamplingParams:
@@ -97,3 +102,25 @@ async def test_a_cancelled_handler_aborts_its_request(svc):
         await task
     assert "c" not in s._running and await _free(eng, s.engine)
     assert _count(s.metrics, "abort") == 1
+
+
+async def test_load_reports_the_tightest_running_tpot_slo(svc):
+    s, eng = svc
+
+    async def tightest() -> float:
+        return (await s.Load(None, None)).min_tpot_ms
+
+    assert await tightest() == 0.0
+    got: list = []
+    slow = asyncio.create_task(s._stream_batched("s", _req("s", 400, 40), _params(400), 0.0, _into(got), here=True))
+    tight = asyncio.create_task(s._stream_batched("t", _req("t", 400, 25), _params(400), 0.0, _into(got), here=True))
+    while not ("s" in s._running and "t" in s._running):
+        await asyncio.sleep(0.005)
+    assert await tightest() == 25.0
+    assert await s._drop(decode_pb2.ReleaseRequest(request_id="t"), "aborted", None)
+    await asyncio.wait_for(tight, 5)
+    assert await tightest() == 40.0  # the aborted one's SLO left with it
+    slow.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+    assert await tightest() == 0.0 and await _free(eng, s.engine)
