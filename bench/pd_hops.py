@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from bench.pd_clients import scrape_metrics
+from bench.system_procs import scrape_metrics
 from bench.procfs import cmdline, cpu_seconds, descendants
 
 _ITL = "splitserve_inter_token_latency_seconds"

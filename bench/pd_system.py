@@ -43,9 +43,9 @@ from bench.common import print_table, write_result
 from bench.pd_hops import itl_means, role_pids, snapshot
 from bench.pd_table import (COLS, TTFT_SLACK_MS, add_derived, build_rows, fmt,  # noqa: F401
                              ratio)  # fmt, ratio: re-exported
-from bench.pd_clients import (free_port, gateway_medians, kv_delta, model_info, percentile,
-                               random_prompts, run_engine, run_system, scrape, stop_process,
-                               trace_stats, wait_up)
+from bench.pd_clients import (gateway_medians, percentile, random_prompts, run_engine, run_system,
+                               trace_stats)
+from bench.system_procs import free_port, kv_delta, model_info, scrape, stop_process, wait_up
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_KV_BYTES = 16 << 30

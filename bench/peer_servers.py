@@ -12,7 +12,7 @@ import tempfile
 import time
 import urllib.request
 
-from bench.pd_clients import free_port, wait_up
+from bench.system_procs import free_port, wait_up
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -30,7 +30,7 @@ import math
 import os
 import sys
 
-from bench.pd_clients import scrape_metrics
+from bench.system_procs import scrape_metrics
 from bench.serve_client import ClientConfig, make_client, run_load
 from bench.serve_peak import measure_peak
 from bench.serve_stats import compare, outcome_rows, samples, summarize

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from bench.common import write_result
-from bench.pd_clients import scrape_metrics, stop_process, wait_up
+from bench.system_procs import scrape_metrics, stop_process, wait_up
 from bench.serve_client import ClientConfig, RestClient, run_closed
 from bench.serve_trace import TraceSpec, build_trace
 

@@ -20,7 +20,8 @@ import tempfile
 import threading
 import time
 
-from bench.pd_clients import free_port, grpc_one, model_info, random_prompts, stop_process, wait_up
+from bench.pd_clients import grpc_one, random_prompts
+from bench.system_procs import free_port, model_info, stop_process, wait_up
 from bench.pd_hops import role_pids
 from bench.procfs import cpu_seconds
 

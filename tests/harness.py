@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.pd_clients import stop_process, wait_up
+from bench.system_procs import stop_process, wait_up
 
 ROOT = Path(__file__).resolve().parents[1]
 # SPLITSERVE_TEST_DEVICE=cuda runs the services on a GPU (CUDA graphs on); default cpu

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from bench import pd_system as ps
-from bench.pd_clients import (Trace, gateway_medians, kv_delta, log_reason, parse_sse, percentile,
-                              sse_tokens, trace_stats)
+from bench.pd_clients import (Trace, gateway_medians, parse_sse, percentile, sse_tokens,
+                               trace_stats)
+from bench.system_procs import kv_delta, log_reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

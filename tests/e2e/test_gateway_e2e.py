@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from bench.pd_clients import strip_model_name
+from bench.system_procs import strip_model_name
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from bench.pd_clients import free_port, scrape_metrics
+from bench.system_procs import free_port, scrape_metrics
 from tests.harness import TINY_CPU, UP_PORTS, splitserve_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

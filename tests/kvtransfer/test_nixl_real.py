@@ -152,7 +152,7 @@ def test_splitserve_up_with_nixl_serves_a_request():
         assert out.returncode == 0 and "4 completion tokens" in out.stderr, out.stderr
         m = re.search(r"prefill (http://\S+/metrics)", up.log())
         assert m, up.log()[-3000:]
-        from bench.pd_clients import strip_model_name
+        from bench.system_procs import strip_model_name
 
         body = urllib.request.urlopen(m.group(1), timeout=5).read().decode()
         assert 'splitserve_kv_transfers_total{backend="nixl"} 1.0' in strip_model_name(body), up.log()[-3000:]

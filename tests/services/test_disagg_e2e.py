@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bench.pd_clients import strip_model_name
+from bench.system_procs import strip_model_name
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams

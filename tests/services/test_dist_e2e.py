@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from bench.pd_clients import strip_model_name
+from bench.system_procs import strip_model_name
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
