@@ -93,6 +93,10 @@ def test_gateway_workers_share_ports_metrics_and_survive_a_kill():
         assert sum(per.values()) == 24 and all(v > 0 for v in per.values()), per
         for _ in range(4):  # whichever worker answers, it counts both
             assert _rest_total(up) == 24
+        with httpx.Client(timeout=10) as c:  # the gateway's series only, though every
+            body = c.get(up.rest + "/metrics").text  # process writes all it creates
+        assert "splitserve_admission_decisions_total" in body and "splitserve_replica_up" in body
+        assert "splitserve_engine_steps" not in body and "splitserve_kv_cache_usage" not in body
         victim = sorted(workers)[-1]
         os.kill(victim, signal.SIGKILL)
         served = 0
