@@ -15,7 +15,8 @@
 #   skinny lab.skinny_default_ab, 1B then 8B: the untuned default (fused at one row, cuBLAS
 #         above) against the fused heuristic up to 16 rows (on an H200: --no-table)
 #   adp   lab.async_decode_probe on the 1B: Engine.step() alone vs AsyncEngine's thread + loop
-#   gw    pd_system 1B with GW_WORKERS (1 2 4) gateway workers, clients in 4 processes x 4 connections,
+#   gw    pd_system 1B with GW_WORKERS (1 2 4) gateway workers, clients in 4 processes x 4 connections
+#         (GW_API=rest: OpenAI SSE clients instead of gRPC),
 #         then lab.host_profile (py-spy on every process) with the most workers (GW_PROF=0: not)
 #   gil   pd_system 1B with 4 gateway workers and decode's --gil-switch-interval-ms GIL_MS (5 1 0.25)
 #   plan8b lab.plan_gpu for the 8B (issue 27's validation, at this tree: the TTFT parts per request)
@@ -80,7 +81,7 @@ for s in ${STAGES:-auto wide}; do
       # of 4 connections each, GW_WORKERS gateway processes in turn on the same machine
       for w in ${GW_WORKERS:-1 2 4}; do
         left || break
-        PD_TAG=_gw$w PD_ARGS="--client-procs ${CLIENT_PROCS:-4} --client-channels 4 --gateway-workers $w" \
+        PD_TAG=_gw$w${GW_API:+_$GW_API} PD_ARGS="--client-procs ${CLIENT_PROCS:-4} --client-channels 4 --gateway-workers $w --api ${GW_API:-grpc}" \
           OUT=$OUT MODELS=${GW_MODELS:-dummy:llama-3.2-1b} PD_TAIL=${PD_TAIL:-34} bash lab/gpu_system.sh pd
       done
       if [ "${GW_PROF:-1}" = 1 ] && left; then  # py-spy on every process with the most workers
