@@ -52,6 +52,11 @@ class GatewayConfig:
     # bind both public ports with SO_REUSEPORT: several gateway workers share them and the
     # kernel spreads new connections across them (`splitserve up --gateway-workers N`)
     reuse_port: bool = False
+    # gateway workers: this one's index among `workers`, and the file where each publishes its
+    # in-flight prompts per replica for the others' TTFT model (gateway/clock_board.py)
+    workers: int = 1
+    worker_index: int = 0
+    worker_board: str | None = None
 
     def __post_init__(self):
         if self.prefill_on_decode not in PREFILL_ON_DECODE:
@@ -61,6 +66,9 @@ class GatewayConfig:
             raise ValueError(f"decode_streams must be one of {DECODE_STREAMS}, got {self.decode_streams!r}")
         if self.reserve_overlap not in RESERVE_OVERLAP:
             raise ValueError(f"reserve_overlap must be one of {RESERVE_OVERLAP}, got {self.reserve_overlap!r}")
+        if not 0 <= self.worker_index < self.workers:
+            raise ValueError(f"--worker-index {self.worker_index} outside 0..{self.workers - 1} "
+                             f"(--workers {self.workers})")
         if not self.prefill or not self.decode:
             raise ValueError("need at least one prefill and one decode address")
         for a in (*self.prefill, *self.decode):
@@ -162,6 +170,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="bind the gRPC and REST ports with SO_REUSEPORT so that several gateway "
                         "processes share them (the kernel spreads connections; `splitserve up "
                         "--gateway-workers N` sets it); the ports are not bind-tested first")
+    p.add_argument("--workers", type=int, default=1,
+                   help="gateway workers sharing the ports (set by `splitserve up`; with "
+                        "--worker-board)")
+    p.add_argument("--worker-index", type=int, default=0, help="this worker's index (0..workers-1)")
+    p.add_argument("--worker-board", default=None,
+                   help="file the workers share their in-flight prompts through (each its own "
+                        "slot), so each admission's TTFT model sees every worker's prompts")
     g = p.add_argument_group("public front")
     g.add_argument("--api-key", action="append", default=None,
                    help="accept this API key (repeat; also --api-key-file and SPLITSERVE_API_KEY, "
@@ -212,4 +227,5 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                                   guard=a.admission_guard, ttft_model=a.admission_ttft_model),
         prefill_on_decode=a.prefill_on_decode, decode_streams=a.decode_streams,
         reserve_overlap=a.reserve_overlap, log_level=a.log_level, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s,
-        reuse_port=a.reuse_port)
+        reuse_port=a.reuse_port, workers=a.workers, worker_index=a.worker_index,
+        worker_board=a.worker_board)

@@ -38,13 +38,24 @@ class Ahead:
 
 class PrefillClock:
     """One prefill replica's in-flight prompts (admit time, new tokens), in admit order, and the
-    time the last of them finished (monotonic seconds)."""
+    time the last of them finished (monotonic seconds). peers (gateway/clock_board.py's
+    BoardView): the sibling gateway workers' prompts there, merged into `ahead`."""
 
-    def __init__(self):
+    def __init__(self, peers=None):
         self._open: dict[int, tuple[float, int]] = {}  # key -> (admitted at, tokens), admit order
         self._keys = itertools.count(1)
         self._recent: deque[tuple[float, int]] = deque()  # admits within RATE_WINDOW_S
         self.last_done = -math.inf
+        self.peers = peers
+
+    def _share(self, now: float) -> None:
+        if self.peers is not None:
+            self._prune(now)
+            self.peers.publish(list(self._open.values()), self.last_done, list(self._recent))
+
+    def _prune(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -54,31 +65,38 @@ class PrefillClock:
         key = next(self._keys)
         self._open[key] = (now, max(int(tokens), 0))
         self._recent.append((now, max(int(tokens), 0)))
+        self._share(now)
         return key
 
     def done(self, key: int | None, now: float, finished: bool = True) -> None:
         """Its Prefill call ended; finished: with a first token (a step ended then), not an
         error or a cancel (which end no step)."""
-        if self._open.pop(key, None) is not None and finished:
-            self.last_done = max(self.last_done, now)
+        if self._open.pop(key, None) is not None:
+            if finished:
+                self.last_done = max(self.last_done, now)
+            self._share(now)
 
-    def rate(self, now: float) -> float:
-        """Prompt tokens admitted over the last RATE_WINDOW_S, per ms."""
-        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
-        return sum(k for _, k in self._recent) / (RATE_WINDOW_S * 1e3)
+    def rate(self, now: float, more: list[tuple[float, int]] = ()) -> float:
+        """Prompt tokens admitted over the last RATE_WINDOW_S, per ms (more: the siblings')."""
+        self._prune(now)
+        lo = now - RATE_WINDOW_S
+        return (sum(k for _, k in self._recent) + sum(k for t, k in more if t >= lo)) / (RATE_WINDOW_S * 1e3)
 
     def ahead(self, now: float, budget: int | None = None, polled_queued: int = 0) -> Ahead:
         """The work ahead of a prompt admitted now. polled_queued: the replica's own count of
         waiting prompt tokens (other clients' prompts too); what exceeds ours queues as well."""
         for k in [k for k, (t, _) in self._open.items() if t < now - STALE_S]:
             del self._open[k]
-        rate = self.rate(now)
-        if not self._open:
+        opens, last_done, more = list(self._open.values()), self.last_done, []
+        for o, done, recent in (self.peers.others() if self.peers is not None else ()):
+            opens += [(t, k) for t, k in o if t >= now - STALE_S]
+            last_done, more = max(last_done, done), more + recent
+        rate = self.rate(now, more)
+        if not opens:
             return Ahead(0, max(polled_queued, 0), 0.0, rate, budget)
-        start = max(self.last_done, next(iter(self._open.values()))[0])
-        running = sum(k for t, k in self._open.values() if t <= start)
-        total = sum(k for _, k in self._open.values())
+        start = max(last_done, min(t for t, _ in opens))
+        running = sum(k for t, k in opens if t <= start)
+        total = sum(k for _, k in opens)
         if budget:
             running = min(running, budget)
         queued = total - running + max(polled_queued - total, 0)

@@ -63,6 +63,13 @@ def build_core(cfg: GatewayConfig, meta: dict) -> GatewayCore:
                        prefill_on_decode=cfg.prefill_on_decode, decode_streams=cfg.decode_streams,
                        reserve_overlap=cfg.reserve_overlap)
     core_ref.append(core)
+    if cfg.worker_board:
+        from gateway.clock_board import ClockBoard
+
+        reps = [*prefill.replicas, *decode.replicas]
+        board = ClockBoard(cfg.worker_board, cfg.workers, cfg.worker_index, len(reps))
+        for i, r in enumerate(reps):
+            r.clock.peers = board.view(i)
     return core
 
 

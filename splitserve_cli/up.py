@@ -227,7 +227,8 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
                             "--ready-file", os.path.join(tmp, "gateway"), *shared, *gw_topology,
                             *a.gateway_arg]
         if a.gateway_workers > 1:
-            gw_args.append("--reuse-port")
+            gw_args += ["--reuse-port", "--workers", str(a.gateway_workers), "--worker-index", "0",
+                        "--worker-board", os.path.join(tmp, "gateway-board")]
             if not any(x.startswith("--poll-interval") for x in a.gateway_arg):
                 # NOTE: a worker sees its siblings' requests only in the replicas' Load: poll
                 # 5x as often as one gateway does, to keep that blind window short
@@ -238,8 +239,9 @@ def run_up(a: argparse.Namespace, engine_args: list[str]) -> int:
         gport, hport = ready["gateway"][0], ready["gateway"][1]
         for i in range(1, a.gateway_workers):  # on the ports the first one bound (0: a free one)
             name = f"gateway-{i}"
-            argv = pinned_argv("gateway", pin_flag(gw_args, "--ready-file", os.path.join(tmp, name)),
-                               ready["gateway"])
+            argv = pin_flag(pin_flag(gw_args, "--ready-file", os.path.join(tmp, name)),
+                            "--worker-index", str(i))
+            argv = pinned_argv("gateway", argv, ready["gateway"])
             children.append(Child(name, service_cmd("gateway", argv), os.path.join(tmp, name), gw_env))
         ready = wait_ready(children, a.ready_timeout)
         print(banner(a, engine_args, backend, gport, hport, pport, dport,

@@ -37,6 +37,7 @@ def _workers(up) -> dict[int, str]:
         if ppid == up.popen.pid and b"gateway" in argv and b"-m" in argv:
             i = argv.index(b"--poll-interval")  # workers poll the replicas' Load more often
             assert float(argv[i + 1]) < 0.5, argv
+            assert b"--worker-board" in argv and argv[argv.index(b"--workers") + 1] == b"2", argv
             out[pid] = env.get(b"PROMETHEUS_MULTIPROC_DIR", b"").decode()
     return out
 
