@@ -21,6 +21,11 @@ def run_rows(runs: list[dict]) -> list[dict]:
     for r in runs:
         s, g = r["summary"], r.get("gateway") or {}
         load = (f"{r['rate']:.3g} req/s" if "rate" in r else f"{int(r['concurrency'])} clients")
+        # the median APE of this run's own requests (gateway workers each export their own
+        # recent error, and /metrics shows the worst), else the gateway's
+        ape = s.get("ttft_prediction_ape_median")
+        if ape is None or (isinstance(ape, float) and math.isnan(ape)):
+            ape = g.get("ttft_prediction_abs_error_median")
         rows.append({
             "run": r["label"], "load": load, "done": s["completed"], "rej": s["rejected"],
             "err": s["errors"], "goodput": _f(s["goodput_rps"], 3), "thru": _f(s["throughput_rps"], 3),
@@ -30,8 +35,7 @@ def run_rows(runs: list[dict]) -> list[dict]:
             "TPOT p50/p99": f"{_f(s['tpot_ms_p50'])}/{_f(s['tpot_ms_p99'])}",
             "ITL p99": _f(s["itl_ms_p99"]), "e2e p99": _f(s["e2e_ms_p99"], 0),
             "adm/q/rej": (f"{g['admit']}/{g['queue']}/{g['reject']}" if "admit" in g else "-"),
-            "TTFT err": _f(100 * g["ttft_prediction_abs_error_median"], 0) + "%"
-            if g.get("ttft_prediction_abs_error_median") is not None else "-",
+            "TTFT err": _f(100 * ape, 0) + "%" if ape is not None else "-",
             "hit": _f(s["prefix_cache_hit_rate"], 2)})
     return rows
 

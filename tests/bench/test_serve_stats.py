@@ -124,3 +124,20 @@ def test_steady_prediction_error_leaves_out_the_first_quarter_of_arrivals():
     s = summarize(outs, 8.0)
     steady = s["ttft_prediction_ape_median_steady"]
     assert steady == pytest.approx(10 / 110) and s["ttft_prediction_ape_median"] >= steady
+
+
+def test_report_ttft_error_is_the_runs_own_requests_median():
+    """The table's "TTFT err": the run's per-request APE (gateway workers each export their own
+    error, /metrics the worst); the gateway's gauge only where the rows have none."""
+    from bench.serve_report import run_rows
+
+    s = {"completed": 4, "rejected": 0, "errors": 0, "goodput_rps": 1.0, "throughput_rps": 1.0,
+         "output_tok_s": 10.0, "slo_attainment": 1.0, "slo_attainment_admitted": 1.0,
+         "ttft_ms_p50": 1.0, "ttft_ms_p99": 2.0, "tpot_ms_p50": 1.0, "tpot_ms_p99": 2.0,
+         "itl_ms_p99": 2.0, "e2e_ms_p99": 3.0, "prefix_cache_hit_rate": 0.0,
+         "ttft_prediction_ape_median": 0.08}
+    gw = {"ttft_prediction_abs_error_median": 0.33}
+    run = {"label": "A", "rate": 1.0, "summary": s, "gateway": gw}
+    assert run_rows([run])[0]["TTFT err"] == "8%"
+    run["summary"] = {**s, "ttft_prediction_ape_median": float("nan")}
+    assert run_rows([run])[0]["TTFT err"] == "33%"
