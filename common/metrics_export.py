@@ -56,11 +56,13 @@ class AllWorkers:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.inner, self.all = inner, MultiProcessCollector(None, path)
+        self._names: set[str] | None = None
 
     def collect(self):
-        names = {mf.name for mf in self.inner.collect()}
+        if self._names is None:  # NOTE: ServiceMetrics registers every family before a scrape
+            self._names = {mf.name for mf in self.inner.collect()}
         for mf in self.all.collect():
-            if mf.name in names:
+            if mf.name in self._names:
                 yield mf
 
 
